@@ -1,0 +1,3 @@
+from shardfit.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""ModelSpec: the shape of a model, as much as memory and FLOP estimates need. No torch here."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from shardfit.errors import ShardfitError
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    name: str
+    # llama | mistral | mixtral | qwen2 | gemma2 | gpt2 | bert | module (nn.Module factory) | params
+    family: str
+    # where it came from: a preset name, a local config path, "pkg.module:fn", or "params"
+    source: str
+    n_params: int
+    hidden_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    max_position: int = 0
+    tie_embeddings: bool = False
+    num_experts: int = 0  # 0 = dense MLP
+    experts_per_token: int = 0
+    mlp: str = "swiglu"  # swiglu | gelu
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    dropout: float = 0.0
+    causal_lm: bool = True
+    # The repeated block (the natural FSDP / activation-checkpointing unit) and its size.
+    block_class: str = ""
+    block_params: int = 0
+    # Largest single module's own parameters (DeepSpeed's `largest_layer`: usually the embedding).
+    largest_layer_params: int = 0
+    # Parameters outside the repeated blocks (embeddings, final norm, head): FSDP's root unit.
+    non_block_params: int = 0
+
+    @property
+    def largest_unit_params(self) -> int:
+        """The largest FSDP unit when each block is wrapped and the root holds the rest."""
+        return max(self.block_params, self.non_block_params)
+
+    @property
+    def has_shape(self) -> bool:
+        """False for a states-only spec (`--params`): activations can't be derived."""
+        return self.num_layers > 0 and self.hidden_size > 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ShardfitError(f"unknown model field(s) {', '.join(unknown)}: known fields are {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ShardfitError(f"model spec is incomplete: {exc}") from None
+
+
+def params_only_spec(n_params: float, largest_layer: float | None = None) -> ModelSpec:
+    """A states-only model (`shardfit plan --params 7.5e9`): no activations, no shapes."""
+    if not n_params or n_params <= 0:
+        raise ShardfitError(f"--params must be a positive number of parameters, got {n_params}")
+    count = int(n_params)
+    largest = int(largest_layer) if largest_layer else 0
+    if largest < 0 or largest > count:
+        raise ShardfitError(f"--largest-layer must be between 0 and --params ({count}), got {largest}")
+    return ModelSpec(name=f"{count / 1e9:.3g}B-params", family="params", source="params", n_params=count,
+                     largest_layer_params=largest, block_params=largest, non_block_params=largest)
