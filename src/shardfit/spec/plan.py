@@ -35,9 +35,16 @@ class Strategy:
     prefetch_bucket_size: int = 50_000_000
     param_persistence_threshold: int = 100_000
     max_live_parameters: int = 1_000_000_000
+    # zero3: a released parameter stays gathered if it is used again within this many elements
+    # (DeepSpeed's stage3_max_reuse_distance); at the default, models under ~1B are never
+    # re-gathered in backward.
+    max_reuse_distance: int = 1_000_000_000
     overlap_comm: bool = True
     # DDP gradient bucket (MiB), torch's default.
     ddp_bucket_cap_mb: float = 25.0
+    # DDP gradient_as_bucket_view (torch's default False: the reducer's flat buckets are a second
+    # copy of every gradient; True makes .grad views into them).
+    ddp_gradient_as_bucket_view: bool = False
     # FSDP: wrap unit class name (None = the model's detected block class) and prefetch.
     wrap_unit: str | None = None
     backward_prefetch: str = "backward_pre"
@@ -329,6 +336,7 @@ def validate_plan(plan: Plan) -> list[str]:
                         ("strategy.allgather_bucket_size", s.allgather_bucket_size),
                         ("strategy.prefetch_bucket_size", s.prefetch_bucket_size),
                         ("strategy.max_live_parameters", s.max_live_parameters),
+                        ("strategy.max_reuse_distance", s.max_reuse_distance),
                         ("strategy.param_persistence_threshold", s.param_persistence_threshold)):
         if value < 0:
             bad(f"{name} must not be negative, got {value}")

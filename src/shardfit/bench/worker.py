@@ -1,0 +1,375 @@
+"""The bench's torchrun worker.
+
+    torchrun --nproc-per-node 2 -m shardfit.bench.worker --plan P.json --out R.json --ckpt DIR
+    torchrun --nproc-per-node 2 -m shardfit.bench.worker --verify JOBS.json
+
+Training (one strategy per job): `warmup + steps` steps; step 1 (or 0 with one warm-up step) is
+instrumented: memory by phase and category (shardfit.measure) and collectives by kind and phase
+(bench.comm); the others are timed without instruments. Then it saves a checkpoint, takes one more
+step, and keeps the state at the save and after that step as the reference.
+Verification (a FRESH process, never the one that saved): for each job, build the engine from
+scratch, load the checkpoint, compare model / optimizer / scheduler / step bit for bit with the
+reference, take the same extra step and compare loss and state again.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+OOM_EXIT = 3  # the orchestrator reads this exit code as "out of memory" (budget exceeded)
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="shardfit.bench.worker")
+    p.add_argument("--plan")
+    p.add_argument("--out")
+    p.add_argument("--ckpt")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--budget-bytes", type=int, default=0)
+    p.add_argument("--verify", metavar="JOBS.json",
+                   help='check checkpoints instead of training: a JSON list of {"plan", "ckpt", "out"}')
+    p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint round trip")
+    return p.parse_args(argv)
+
+
+def _load_plan(path: str):
+    from shardfit.spec.plan import plan_from_dict
+
+    return plan_from_dict(json.loads(Path(path).read_text()))
+
+
+class Batches:
+    """Deterministic byte-level windows of the shipped corpus: batch i of rank r is the same in
+    every strategy and in the resumed process (engines move it to their device)."""
+
+    def __init__(self, plan, rank: int, world: int):
+        from importlib import resources
+
+        import torch
+
+        text = resources.files("shardfit.data").joinpath("corpus.txt").read_bytes()
+        vocab = max(plan.model.vocab_size, 2)
+        self.tokens = torch.tensor(list(text), dtype=torch.long) % vocab
+        self.mb, self.seq = plan.training.micro_batch, plan.training.seq_len
+        self.rank, self.world = rank, world
+
+    def __call__(self, step: int) -> dict:
+        import torch
+
+        span = len(self.tokens) - self.seq - 1
+        rows = []
+        for row in range(self.mb):
+            start = ((step * self.world + self.rank) * self.mb + row) * 997 * self.seq % span
+            rows.append(self.tokens[start:start + self.seq])
+        ids = torch.stack(rows)
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def _engine(plan, ctx):
+    """The plan's model on shardfit.engines, built on CPU with the plan's seed (same weights
+    everywhere), plus the DeepSpeed reuse-distance bridge below."""
+    from shardfit import engines
+    from shardfit.train.loop import build_model
+
+    _pass_reuse_distance()
+    return engines.setup(plan, build_model(plan), ctx)
+
+
+def _pass_reuse_distance():
+    """NOTE: engines.deepspeed.ds_config does not (yet) pass strategy.max_reuse_distance; at
+    DeepSpeed's default (1e9 elements) ZeRO-3 never re-gathers a model under ~1B in backward, so
+    the bench's tiny model would not show ZeRO-3's traffic. Remove once ds_config passes it."""
+    from shardfit.engines import deepspeed as ds_engine
+
+    original = ds_engine.ds_config
+    if getattr(original, "_bench_bridge", False):
+        return
+
+    def ds_config(plan, world_size, cuda):
+        config = original(plan, world_size, cuda)
+        zero = config.get("zero_optimization", {})
+        if zero.get("stage") == 3:
+            zero.setdefault("stage3_max_reuse_distance", plan.strategy.max_reuse_distance)
+        return config
+
+    ds_config._bench_bridge = True
+    ds_engine.ds_config = ds_config
+
+
+def _step(engine, batch, comm=None):
+    """One optimizer step. With a CommCounter, collectives are labelled forward until the autograd
+    engine runs, backward from then on, optimizer from the optimizer step (DeepSpeed steps inside
+    forward_backward: its engine.step is wrapped for the label)."""
+    deepspeed = engine.kind.startswith("zero")
+    if comm is not None:
+        comm.phase = "forward"
+        comm.follow_backward = True
+        if deepspeed:
+            ds, original = engine.model, engine.model.step
+            previous = ds.__dict__.get("step")  # shardfit.profile may have wrapped it already
+
+            def labelled_step(*args, **kwargs):
+                comm.phase, comm.follow_backward = "optimizer", False
+                return original(*args, **kwargs)
+
+            ds.step = labelled_step
+    try:
+        loss = engine.forward_backward(batch, True)
+        if comm is not None:
+            comm.phase, comm.follow_backward = "optimizer", False
+        if not deepspeed:
+            engine.step()
+    finally:
+        if comm is not None and deepspeed:
+            if previous is None:
+                del ds.step  # back to the class method
+            else:
+                ds.step = previous
+    return loss.detach().float()
+
+
+class BudgetExceeded(RuntimeError):
+    """The measured peak went over --budget-bytes: reported as out of memory."""
+
+
+def _sync(device):
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _spread(values: list[float]) -> dict:
+    ordered = sorted(values)
+    q = statistics.quantiles(ordered, n=4) if len(ordered) >= 2 else [ordered[0]] * 3
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
+            "iqr": q[2] - q[0], "all": values}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _measured_step(engine, batch, plan, budget: int):
+    """The instrumented step: shardfit.profile (bytes by phase x category, gathered over ranks)
+    and the CommCounter (collectives by kind and phase), both dispatch modes, both on one step."""
+    import shardfit
+    from shardfit.bench.comm import CommCounter
+    from shardfit.measure.report import gather
+
+    prof = shardfit.profile(engine.model, engine.optimizer, plan=plan, budget_bytes=budget or None,
+                            explain_oom=False, label=plan.strategy.label)
+    with CommCounter() as counter:
+        with prof:
+            loss = _step(engine, batch, counter)
+    gathered = gather(prof.report(), everywhere=True)
+    phases = {p: dict(c) for p, c in gathered.phases.items() if p in ("forward", "backward", "optimizer")}
+    return loss, phases, gathered, counter.summary()
+
+
+def train(args, plan, ctx) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from shardfit.bench.probe import summarize_memory
+
+    device, world = ctx.device, ctx.world_size
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    engine = _engine(plan, ctx)
+    batches = Batches(plan, ctx.rank, world)
+    total = args.warmup + args.steps
+    instrumented = 1 if args.warmup >= 2 else 0  # step 0 pays lazy initialisation
+    losses, times, memory, comm = [], [], None, None
+    for step in range(total):
+        batch = batches(step)
+        if step == instrumented:
+            loss, phases, gathered, comm = _measured_step(engine, batch, plan, args.budget_bytes)
+            memory = summarize_memory(phases)
+            memory.update(source="shardfit.measure (worst rank per phase and category)",
+                          per_rank_peak_bytes=gathered.peak_by_rank(),
+                          host_bytes=max(cats.get("host", 0) for cats in gathered.phases.values()))
+            ooms = gathered.ooms
+            if ooms:
+                raise BudgetExceeded(f"over the {args.budget_bytes} B budget on rank {ooms[0]['rank']} "
+                                     f"in {ooms[0].get('phase')}: {ooms[0].get('message', '')}")
+            losses.append(float(loss))
+            continue
+        _sync(device)
+        start = time.perf_counter()
+        value = float(_step(engine, batch))  # float() waits for the step to finish
+        _sync(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+        losses.append(value)
+    mean_losses = torch.tensor(losses, dtype=torch.float64, device=device)
+    dist.all_reduce(mean_losses)
+    mean_losses = (mean_losses / world).tolist()
+    comm_by_rank = [None] * world
+    dist.all_gather_object(comm_by_rank, comm["bytes"])
+    cuda = _cuda_memory(device)
+
+    median = statistics.median(times) if times else None
+    tokens = plan.training.micro_batch * plan.training.seq_len * world
+    result = {
+        "strategy": plan.strategy.label, "status": "ok", "engine": f"shardfit.engines ({engine.kind})",
+        "world_size": world, "device": device.type,
+        "steps": {"warmup": args.warmup, "measured": args.steps, "instrumented_step": instrumented},
+        "step_time_s": _spread(times) if times else None,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / median if median else None,
+        "mfu": _mfu(plan, tokens / median, world) if device.type == "cuda" and median else None,
+        "memory": {**memory, "cuda": cuda},
+        "comm": {**comm, "per_rank_bytes": comm_by_rank},
+        "loss": {"curve": mean_losses, "final": mean_losses[-1], "k": len(mean_losses)},
+        "checkpoint": None,
+    }
+    if not args.no_checkpoint:
+        result["checkpoint"] = _save_with_reference(args, plan, ctx, engine, batches, total)
+    return result
+
+
+def _save_with_reference(args, plan, ctx, engine, batches, total: int) -> dict:
+    """Save, then keep what the resumed process must reproduce: the state right after the save,
+    and the loss and state after one more step."""
+    import torch
+    import torch.distributed as dist
+
+    from shardfit.bench.probe import fingerprint
+    from shardfit.data.sampler import Position
+    from shardfit.train.checkpoint import save_checkpoint
+
+    world = ctx.world_size
+    root = Path(args.ckpt)
+    start = time.perf_counter()
+    path = save_checkpoint(engine, root, total, Position(consumed=total * world * plan.training.micro_batch), keep=1)
+    save_s = time.perf_counter() - start
+    size = _dir_bytes(path) if ctx.is_main else 0
+    before = fingerprint(engine)
+    next_loss = float(_step(engine, batches(total)))
+    after = fingerprint(engine)
+    reference = root / "reference"
+    reference.mkdir(parents=True, exist_ok=True)
+    torch.save({"before": before, "after": after, "next_loss": next_loss, "step": total, "path": str(path)},
+               reference / f"rank{ctx.rank}.pt")
+    dist.barrier()
+    return {"save_s": save_s, "bytes": size, "step": total, "path": str(path)}
+
+
+def _cuda_memory(device) -> dict | None:
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
+            "allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+
+def _mfu(plan, tokens_per_s: float, world: int) -> float:
+    """Model FLOPs utilisation: 6·N FLOPs per token (forward + backward) over the GPUs' bf16 peak."""
+    from shardfit.spec.gpus import get_gpu
+
+    peak = get_gpu(plan.cluster.gpu).bf16_tflops * 1e12 * world
+    return 6 * plan.model.n_params * tokens_per_s / peak
+
+
+def verify(plan, ckpt: str, ctx) -> dict:
+    """In a fresh process: load, compare with the state the training job kept, step once more."""
+    import torch
+    import torch.distributed as dist
+
+    from shardfit.bench.probe import compare, fingerprint
+    from shardfit.train.checkpoint import load_checkpoint
+
+    root = Path(ckpt)
+    ref = torch.load(root / "reference" / f"rank{ctx.rank}.pt", weights_only=False)
+    engine = _engine(plan, ctx)
+    dist.barrier()
+    start = time.perf_counter()
+    step, _ = load_checkpoint(engine, Path(ref["path"]))
+    load_s = time.perf_counter() - start
+    # NOTE: DeepSpeed ZeRO-1/2 cannot read optimizer state between load_checkpoint and the first
+    # step (its lazy state desynchronises the collectives); it is compared after the next step.
+    read_opt = plan.strategy.kind not in ("zero1", "zero2")
+    loaded = fingerprint(engine, read_optimizer=read_opt)
+    at_load = {"model": compare(ref["before"], loaded, "model."),
+               "optimizer": compare(ref["before"], loaded, "optim.") if read_opt else None,
+               "scheduler": compare(ref["before"], loaded, "sched.")}
+    next_loss = float(_step(engine, Batches(plan, ctx.rank, ctx.world_size)(step)))
+    after = fingerprint(engine)
+    after_step = {part: compare(ref["after"], after, f"{part[:5]}.") for part in ("model", "optim", "sched")}
+    checks = {"model": at_load["model"]["equal"],
+              "optimizer": after_step["optim"]["equal"] and (at_load["optimizer"] or {"equal": True})["equal"],
+              "scheduler": at_load["scheduler"]["equal"] and after_step["sched"]["equal"],
+              "step": step == ref["step"], "next_loss": next_loss == ref["next_loss"],
+              "model_after_step": after_step["model"]["equal"]}
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, checks)
+    restored = {key: all(g[key] for g in gathered) for key in checks}
+    return {"strategy": plan.strategy.label, "load_s": load_s, "restored": restored,
+            "exact": all(restored.values()),
+            "details": {"at_load": at_load, "after_step": after_step, "next_loss": [next_loss, ref["next_loss"]]}}
+
+
+def _guarded(run, label: str) -> tuple[dict, int]:
+    """(result, exit code): a failure becomes a result; out of memory has its own code."""
+    import torch
+
+    try:
+        return run(), 0
+    except (BudgetExceeded, torch.OutOfMemoryError) as exc:
+        return {"strategy": label, "status": "oom", "error": str(exc).splitlines()[0][:500]}, OOM_EXIT
+    except Exception as exc:  # noqa: BLE001 - one strategy failing must become a reported result
+        traceback.print_exc()
+        return {"strategy": label, "status": "failed", "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]}, 1
+
+
+def _write(result: dict, out: str, rank: int, failed: bool) -> None:
+    """Rank 0 writes OUT; a rank that failed alone writes OUT.rankN so the error is not lost."""
+    if rank == 0 or failed:
+        target = Path(out) if rank == 0 else Path(out).with_name(f"{Path(out).stem}.rank{rank}{Path(out).suffix}")
+        target.write_text(json.dumps(result, indent=1))
+
+
+def main(argv=None) -> int:
+    args = _args(sys.argv[1:] if argv is None else argv)
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from shardfit.engines.base import init_distributed
+
+    ctx = init_distributed()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.verify:
+        # NOTE: several checkpoints, one process: each is loaded by an engine built from scratch in
+        # a process that never saw the training, which is what a resume is; one torchrun job
+        # instead of one per strategy saves most of the bench's start-up time.
+        code = 0
+        for job in json.loads(Path(args.verify).read_text()):
+            plan = _load_plan(job["plan"])
+            result, code = _guarded(lambda: verify(plan, job["ckpt"], ctx), plan.strategy.label)
+            _write(result, job["out"], ctx.rank, code != 0)
+            gc.collect()
+            if code:
+                return code  # a rank may be stuck in a collective: let torchrun end the job
+            dist.barrier()
+    else:
+        plan = _load_plan(args.plan)
+        result, code = _guarded(lambda: train(args, plan, ctx), plan.strategy.label)
+        _write(result, args.out, ctx.rank, code != 0)
+    if code == 0:
+        dist.destroy_process_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""`shardfit bench [PLAN.yaml]`: the same training step under each strategy, side by side.
+
+With no plan: the tiny preset on this machine, 2 ranks, every strategy that runs here."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from shardfit.errors import ShardfitError
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("plan", nargs="?", help="plan YAML (default: the embedded tiny-llama plan)")
+    parser.add_argument("--strategies", default=None,
+                        help="comma list (default: ddp,fsdp:full_shard,fsdp:shard_grad_op,fsdp2,zero1,zero2,zero3,zero3+offload)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy, after warm-up (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up steps; the last one is instrumented (default 2)")
+    parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
+    parser.add_argument("--budget-bytes", default=None,
+                        help="memory budget per rank: BYTES for all, or LABEL=BYTES[,LABEL=BYTES]; over it = OOM")
+    parser.add_argument("--nproc", type=int, default=None, help="ranks per job (default: 2 on CPU, GPUs on CUDA)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per torchrun job (default 300)")
+    parser.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint round trip (save + fresh-process reload)")
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep each strategy's checkpoint under OUT/runs/")
+
+
+def run(args) -> int:
+    from shardfit.bench import report as report_mod
+    from shardfit.bench.run import DEFAULT_STRATEGIES, bench, load_bench_plan, parse_budgets
+
+    if args.steps < 2 or args.warmup < 1:
+        raise ShardfitError("--steps must be at least 2 and --warmup at least 1 (the step time needs a spread)")
+    nproc = args.nproc or _default_nproc()
+    labels = [s.strip() for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",") if s.strip()]
+    if len(set(labels)) != len(labels):
+        raise ShardfitError(f"--strategies lists a strategy twice: {','.join(labels)}")
+    plan = load_bench_plan(args.plan, nproc)
+    out = Path(args.out)
+    print(f"shardfit bench: {plan.model.name}, {nproc} ranks, {len(labels)} strategies, "
+          f"{args.warmup}+{args.steps} steps each -> {out}", flush=True)
+    report = bench(plan, labels, out=out, nproc=nproc, warmup=args.warmup, steps=args.steps,
+                   budgets=parse_budgets(args.budget_bytes, labels), timeout=args.timeout,
+                   checkpoint=not args.no_checkpoint, keep_checkpoints=args.keep_checkpoints, progress=_progress)
+    files = report_mod.write_all(report, out)
+    print()
+    print(report_mod.table(report))
+    print(f"\nwall {report['wall_s']:.0f} s; report: {files['html']}  (also {files['json'].name}, "
+          f"{files['csv'].name}, charts/)")
+    failed = [r["strategy"] for r in report["results"] if r.get("status") in ("failed", "timeout")]
+    return 1 if failed else 0
+
+
+def _progress(line: str, end: str = "\n") -> None:
+    if end == "\r" and not sys.stdout.isatty():
+        return  # only terminals can overwrite the "running" line
+    print(line.ljust(110) if end == "\r" else line.ljust(40), end=end, flush=True)
+
+
+def _default_nproc() -> int:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+    except ImportError:
+        raise ShardfitError("shardfit bench needs torch: pip install 'shardfit[run]'") from None
+    return 2

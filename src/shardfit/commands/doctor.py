@@ -1,0 +1,59 @@
+"""`shardfit doctor CONFIG... [--model M --gpu G --gpus N]`: the classic mistakes in existing configs.
+
+Exit status: 0 no errors found, 1 at least one error-severity finding, 2 unreadable input. No torch."""
+from __future__ import annotations
+
+import json
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("configs", nargs="+", metavar="CONFIG",
+                        help="DeepSpeed JSON, Accelerate YAML, TrainingArguments JSON, a plan, a model config.json, "
+                             "or a training script (.py, read, never run)")
+    parser.add_argument("--model", help="the model being trained (preset, config path): enables the size rules")
+    parser.add_argument("--gpu", help="GPU catalog name or custom:GiB: enables the memory rules")
+    parser.add_argument("--gpus", type=int, help="GPUs per node")
+    parser.add_argument("--nodes", type=int)
+    parser.add_argument("--seq", type=int, help="sequence length in tokens")
+    parser.add_argument("--global-batch", type=int, dest="global_batch", help="intended sequences per optimizer step")
+    parser.add_argument("--json", action="store_true")
+
+
+def format_report(report) -> str:
+    lines = ["read: " + ", ".join(f"{path} ({kind})" for path, kind in report.files)]
+    if not report.findings:
+        lines.append("no findings")
+        return "\n".join(lines)
+    for f in report.findings:
+        where = f" [{f.where}]" if f.where else ""
+        lines += [f"{f.severity.upper():7s} {f.rule}{where}", f"        {f.message}", f"        fix: {f.fix}"]
+    counts = {s: sum(f.severity == s for f in report.findings) for s in ("error", "warning", "info")}
+    lines.append(", ".join(f"{n} {s}{'s' if n != 1 else ''}" for s, n in counts.items()))
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from shardfit.doctor import Context, diagnose
+    from shardfit.errors import ShardfitError
+
+    for name in ("gpus", "nodes", "seq", "global_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ShardfitError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    model = gpu = None
+    if args.model:
+        from shardfit.spec.models import load_model_spec
+        model = load_model_spec(args.model)
+    if args.gpu:
+        from shardfit.spec.gpus import get_gpu
+        gpu = get_gpu(args.gpu)
+    ctx = Context(model=model, gpu=gpu, gpus_per_node=args.gpus, nodes=args.nodes, seq_len=args.seq,
+                  global_batch=args.global_batch)
+    report = diagnose(args.configs, ctx)
+    if args.json:
+        print(json.dumps({"files": [{"path": p, "kind": k} for p, k in report.files],
+                          "findings": [{"rule": f.rule, "severity": f.severity, "message": f.message, "fix": f.fix,
+                                        "where": f.where} for f in report.findings]}, indent=2))
+    else:
+        print(format_report(report))
+    return 1 if report.errors else 0

@@ -1,0 +1,79 @@
+"""`shardfit fit MODEL --gpu H100-80GB --gpus 8 [--nodes 4] --seq 4096 --global-batch 512`: the fastest plan
+that fits with margin, the runners-up, and why every other family lost. No torch."""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", help="preset name (see `shardfit models`), config.json path/folder, or pkg.module:fn")
+    parser.add_argument("--gpu", default="H100-80GB", help="GPU catalog name, or custom:GiB (default H100-80GB)")
+    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=2048, help="sequence length in tokens (default 2048)")
+    parser.add_argument("--global-batch", type=int, dest="global_batch",
+                        help="sequences per optimizer step, kept fixed (default 4 per GPU)")
+    parser.add_argument("--lora-r", type=int, dest="lora_r", help="train LoRA adapters of this rank")
+    parser.add_argument("--lora-base", default="bf16", dest="lora_base", help="frozen base dtype: bf16, fp16, fp32, int8, nf4")
+    parser.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
+                        help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling)")
+    parser.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit, sgd, lion, adafactor")
+    parser.add_argument("--engine", default="ddp,deepspeed,fsdp",
+                        help="comma list of engines to search: ddp, deepspeed, fsdp (default all)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="budget for a CPU run: compare tensor bytes only (no CUDA context / NCCL)")
+    parser.add_argument("--host-memory-gib", type=float, dest="host_memory_gib",
+                        help="host RAM per node; offload plans that exceed it are rejected")
+    parser.add_argument("--top", type=int, default=3, help="alternatives to show (default 3)")
+    parser.add_argument("--steps", type=int, help="training steps to write into the plan")
+    parser.add_argument("-o", "--output", help="write the best plan to this YAML/JSON file (for emit/train)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def request_from_args(args):
+    from shardfit.errors import ShardfitError
+    from shardfit.fit import FitRequest
+    from shardfit.spec.models import load_model_spec
+    from shardfit.spec.plan import LoRA, Plan, Schedule
+
+    engines = tuple(e.strip().lower() for e in args.engine.split(",") if e.strip())
+    unknown = [e for e in engines if e not in ("ddp", "deepspeed", "fsdp")]
+    if unknown:
+        raise ShardfitError(f"--engine '{unknown[0]}' is not known: use ddp, deepspeed, fsdp (comma-separated)")
+    if args.top < 0:
+        raise ShardfitError(f"--top must be 0 or more, got {args.top}")
+    model = load_model_spec(args.model)
+    lora = LoRA(rank=args.lora_r, base_dtype=args.lora_base) if args.lora_r else None
+    if args.lora_r is not None and args.lora_r < 1:
+        raise ShardfitError(f"--lora-r must be at least 1, got {args.lora_r}")
+    base = Plan(model=model)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ShardfitError(f"--steps must be at least 1, got {args.steps}")
+        base = base.with_changes(schedule=Schedule(steps=args.steps, warmup_steps=min(5, args.steps)))
+    from shardfit.spec.gpus import get_gpu
+    get_gpu(args.gpu)  # a bad GPU name fails here, in one line
+    return FitRequest(model=model, gpu=args.gpu, gpus_per_node=args.gpus, nodes=args.nodes, seq_len=args.seq,
+                      global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
+                      optimizer=args.optimizer, engines=engines, device="cpu" if args.cpu else "cuda",
+                      host_memory_gib=args.host_memory_gib, top=args.top, base=base)
+
+
+def run(args) -> int:
+    from shardfit.fit import fit
+    from shardfit.fit.report import format_text, to_json
+
+    result = fit(request_from_args(args))
+    if args.output and result.best is not None:
+        from shardfit.spec.planfile import dump_plan
+        dump_plan(result.best.plan, args.output)
+    if args.json:
+        print(json.dumps(to_json(result), indent=2))
+    else:
+        print(format_text(result))
+        if args.output and result.best is not None:
+            print(f"wrote {args.output}: next `shardfit emit {args.output} --format deepspeed|fsdp2|...` "
+                  f"or `shardfit train {args.output}`", file=sys.stderr)
+    return 0 if result.fits else 1

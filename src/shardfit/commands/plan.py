@@ -1,0 +1,203 @@
+"""`shardfit plan`: memory per GPU by category and phase, one row per strategy. Parses and prints;
+the numbers come from shardfit.estimate, the formatting from shardfit.estimate.report. No torch."""
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from shardfit.errors import ShardfitError
+
+ALL_STRATEGIES = ("ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard", "fsdp:no_shard", "fsdp2",
+                  "zero1", "zero2", "zero3", "zero2+offload", "zero3+offload")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="a preset (see `shardfit models`), a config.json path or directory, a factory "
+                             "pkg.module:fn, or a PLAN.yaml / PLAN.json")
+    parser.add_argument("--params", type=float, default=None, help="states-only estimate for this many parameters (e.g. 7.5e9)")
+    parser.add_argument("--largest-layer", type=float, default=None, help="with --params: the largest layer's parameters")
+    parser.add_argument("--gpu", default=None, help="GPU model from the catalog, or custom:24 (GiB); default H100-80GB")
+    parser.add_argument("--gpus", type=int, default=None, help="total GPUs (default 8; nodes of 8 above 8 GPUs)")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes (GPUs per node = --gpus / --nodes)")
+    parser.add_argument("--strategy", "--strategies", action="append", default=None, dest="strategy",
+                        help="one or more (comma-separated or repeated): ddp, fsdp:{full_shard,shard_grad_op,"
+                             "hybrid_shard,no_shard}, fsdp2[:no_reshard], zero1, zero2, zero3, +offload; default all")
+    parser.add_argument("--precision", default=None, help="fp32 | fp16 | bf16 (mixed, fp32 master) | bf16-pure")
+    parser.add_argument("--optimizer", default=None, help="adamw | adamw8bit | sgd | lion | adafactor")
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None, help="sequence length")
+    parser.add_argument("--grad-accum", type=int, default=None)
+    parser.add_argument("--ac", default=None, help="activation checkpointing: none | full | every-N")
+    parser.add_argument("--attention", default=None, help="sdpa (flash, no s*s scores) | eager")
+    parser.add_argument("--lora-r", type=int, default=None, help="LoRA rank (turns LoRA on)")
+    parser.add_argument("--lora-targets", default=None, help="comma-separated modules, e.g. q_proj,v_proj or all-linear")
+    parser.add_argument("--lora-base-dtype", default=None, help="frozen base weights: bf16 | fp16 | fp32 | int8 | nf4")
+    parser.add_argument("--offload", default=None, help="cpu | nvme: offload where each strategy can")
+    parser.add_argument("--nvme-path", default=None, help="NVMe mount for --offload nvme")
+    parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid shard group size (default GPUs per node)")
+    parser.add_argument("--accounting", default="real", help="real (default) | ideal (ZeRO paper) | deepspeed (its estimator)")
+    parser.add_argument("--device", default="cuda", help="cuda (default) | cpu (no CUDA context/NCCL/margin; CPU optimizer)")
+    parser.add_argument("--checkpoint", default="sharded", help="checkpoint save: sharded (default) | full (rank-0 consolidation)")
+    parser.add_argument("--json", action="store_true", help="print the stable JSON document (docs/plan.md)")
+    parser.add_argument("--explain", action="store_true", help="print every term's formula, inputs and source")
+
+
+def _is_plan_file(ref: str) -> bool:
+    path = Path(ref)
+    suffix = path.suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        return True
+    if suffix == ".json" and path.is_file():
+        from shardfit.spec.planfile import read_plan_data
+        return "model" in read_plan_data(path)
+    return False
+
+
+def _split_gpus(args, cluster):
+    gpus, nodes = args.gpus, args.nodes
+    if gpus is None and nodes is None:
+        return cluster
+    if gpus is not None and gpus < 1:
+        raise ShardfitError(f"--gpus must be at least 1, got {gpus}")
+    if nodes is not None and nodes < 1:
+        raise ShardfitError(f"--nodes must be at least 1, got {nodes}")
+    if gpus is None:
+        return replace(cluster, nodes=nodes)
+    if nodes is None:
+        nodes = 1 if gpus <= 8 else (gpus + 7) // 8
+    if gpus % nodes:
+        raise ShardfitError(f"--gpus {gpus} does not split evenly over {nodes} nodes: give a multiple of --nodes")
+    return replace(cluster, nodes=nodes, gpus_per_node=gpus // nodes)
+
+
+def build_plan(args):
+    """The base Plan from MODEL / --params / PLAN file, with the flags applied on top."""
+    from shardfit.spec.model_spec import params_only_spec
+    from shardfit.spec.plan import LoRA, Plan
+
+    if args.params is not None:
+        if args.model is not None:
+            raise ShardfitError("give either MODEL or --params, not both")
+        plan = Plan(model=params_only_spec(args.params, args.largest_layer))
+    elif args.model is None:
+        raise ShardfitError("plan needs a MODEL (preset, config path, PLAN.yaml) or --params N")
+    elif _is_plan_file(args.model):
+        from shardfit.spec.planfile import load_plan
+        plan = load_plan(args.model)
+    else:
+        from shardfit.spec.models import load_model_spec
+        plan = Plan(model=load_model_spec(args.model))
+    if args.largest_layer is not None and args.params is None:
+        raise ShardfitError("--largest-layer only goes with --params")
+    t, c, s = plan.training, plan.cluster, plan.strategy
+    changes = {k: v for k, v in (("precision", args.precision), ("optimizer", args.optimizer),
+                                 ("micro_batch", args.micro_batch), ("seq_len", args.seq),
+                                 ("grad_accum", args.grad_accum), ("activation_checkpointing", args.ac),
+                                 ("attention", args.attention)) if v is not None}
+    if args.precision is not None:
+        changes["precision"] = args.precision.strip().lower()
+    t = replace(t, **changes)
+    if args.lora_r is not None or args.lora_targets is not None or args.lora_base_dtype is not None:
+        lora = t.lora or LoRA()
+        lora_changes = {}
+        if args.lora_r is not None:
+            lora_changes["rank"] = args.lora_r
+        if args.lora_targets is not None:
+            lora_changes["target_modules"] = tuple(x.strip() for x in args.lora_targets.split(",") if x.strip())
+        if args.lora_base_dtype is not None:
+            lora_changes["base_dtype"] = args.lora_base_dtype.strip().lower()
+        t = replace(t, lora=replace(lora, **lora_changes))
+    if args.gpu is not None:
+        c = replace(c, gpu=args.gpu)
+    c = _split_gpus(args, c)
+    if args.shard_group_size is not None:
+        s = replace(s, shard_group_size=args.shard_group_size)
+    return replace(plan, training=t, cluster=c, strategy=s)
+
+
+def _with_offload(strategy, offload: str | None, nvme_path: str | None):
+    if offload is None:
+        return strategy
+    device = offload.strip().lower()
+    if device not in ("cpu", "nvme"):
+        raise ShardfitError(f"--offload '{offload}': use cpu or nvme")
+    path = nvme_path or strategy.nvme_path
+    if strategy.kind in ("zero1", "zero2"):
+        return replace(strategy, offload_optimizer=device, nvme_path=path)
+    if strategy.kind == "zero3":
+        return replace(strategy, offload_optimizer=device, offload_params=device, nvme_path=path)
+    return replace(strategy, offload_params=device, nvme_path=path)
+
+
+def strategies_for(args, plan):
+    """[(strategy, explicit)]: the asked strategies, or every strategy (invalid ones get skipped)."""
+    from shardfit.spec.plan import parse_strategy
+
+    base = plan.strategy
+    knobs = {f: getattr(base, f) for f in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
+                                           "param_persistence_threshold", "max_live_parameters", "overlap_comm",
+                                           "ddp_bucket_cap_mb", "wrap_unit", "backward_prefetch",
+                                           "shard_group_size")}
+    if args.strategy:
+        names = [n.strip() for item in args.strategy for n in item.split(",") if n.strip()]
+        explicit = True
+    elif args.model is not None and _is_plan_file(args.model):
+        strategy = _with_offload(base, args.offload, args.nvme_path)
+        if args.nvme_path:
+            strategy = replace(strategy, nvme_path=args.nvme_path)
+        return [(strategy, True)]
+    else:
+        names, explicit = list(ALL_STRATEGIES), False
+    out = []
+    for name in names:
+        strategy = replace(parse_strategy(name), **knobs)
+        if "nvme" in name and args.nvme_path:
+            strategy = replace(strategy, nvme_path=args.nvme_path)
+        if "+offload" not in name:
+            strategy = _with_offload(strategy, args.offload, args.nvme_path)
+        out.append((strategy, explicit))
+    return out
+
+
+def run(args) -> int:
+    from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, estimate
+    from shardfit.estimate import report
+    from shardfit.spec.gpus import get_gpu
+    from shardfit.spec.plan import validate_plan
+
+    for value, choices, flag in ((args.accounting, ACCOUNTING, "--accounting"), (args.device, DEVICES, "--device"),
+                                 (args.checkpoint, CHECKPOINT_MODES, "--checkpoint")):
+        if value not in choices:
+            raise ShardfitError(f"{flag} '{value}' is not known: use one of {', '.join(choices)}")
+    if args.offload and args.offload.strip().lower() == "nvme" and not args.nvme_path:
+        raise ShardfitError("--offload nvme needs --nvme-path (a local NVMe mount, e.g. /local_nvme)")
+    plan = build_plan(args)
+    gpu = get_gpu(plan.cluster.gpu)
+    rows, skipped = [], []
+    for strategy, explicit in strategies_for(args, plan):
+        candidate = replace(plan, strategy=strategy)
+        try:
+            warnings = validate_plan(candidate)
+            est = estimate(candidate, accounting=args.accounting, device=args.device, checkpoint=args.checkpoint,
+                           explain=True)
+        except ShardfitError as exc:
+            if explicit:
+                raise
+            skipped.append((strategy.label, str(exc)))
+            continue
+        if warnings:
+            est = replace(est, warnings=tuple(warnings))
+        rows.append((strategy.label, est))
+    if not rows:
+        raise ShardfitError(f"no strategy is valid for this plan: {skipped[0][0]}: {skipped[0][1]}")
+    if args.json:
+        doc = report.document(plan, gpu, rows, args.accounting, args.device, args.checkpoint, skipped,
+                              with_terms=args.explain)
+        sys.stdout.write(report.to_json(doc) + "\n")
+        return 0
+    print(report.table(plan, gpu, rows, args.accounting, args.device, skipped))
+    if args.explain:
+        print(report.explain(rows))
+    return 0

@@ -1,0 +1,217 @@
+"""`shardfit profile [PLAN.yaml]`: run a few real steps under torchrun and print, per phase and
+category, the measured bytes next to the estimator's prediction with the error of each term.
+`shardfit profile --script train.py -- ARGS` profiles your own script through `shardfit.profile`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT_PLAN = {"model": "tiny-llama", "strategy": {"kind": "ddp"},
+                "training": {"micro_batch": 2, "seq_len": 128, "precision": "fp32"}}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("plan", nargs="?", help="plan YAML/JSON (default: tiny-llama, ddp, fp32 on 2 CPU ranks)")
+    group = parser.add_argument_group("plan overrides")
+    group.add_argument("--model", help="preset name, local config path, or pkg.module:fn")
+    group.add_argument("--strategy", help="ddp, fsdp[:shard_grad_op], fsdp2, zero1, zero2, zero3, +offload")
+    group.add_argument("--precision", help="fp32, bf16, fp16, bf16-pure")
+    group.add_argument("--micro-batch", type=int, dest="micro_batch")
+    group.add_argument("--seq", type=int, help="sequence length")
+    group.add_argument("--grad-accum", type=int, dest="grad_accum")
+    group.add_argument("--ac", help="activation checkpointing: none, full, every-N")
+    group.add_argument("--bucket", type=float, help="DeepSpeed reduce/allgather/prefetch bucket size (elements)")
+    run = parser.add_argument_group("run")
+    run.add_argument("--steps", type=int, default=2, help="steps to run; the last is reported (default 2)")
+    run.add_argument("--checkpoint", action="store_true", help="also measure a checkpoint save")
+    run.add_argument("--budget", type=float, help="memory budget in bytes: an OOM is raised (and explained) above it")
+    run.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    run.add_argument("--timeout", type=float, default=900, help="seconds before the run is declared hung")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the full result as JSON")
+    out.add_argument("--chart", help="write a PNG: stacked bars per phase, predicted beside measured")
+    out.add_argument("--script", help="profile this Python script (arguments after --) instead of a plan")
+    out.add_argument("script_args", nargs="*", help=argparse_suppress())
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def build_plan_dict(args) -> dict:
+    from shardfit.errors import ShardfitError
+
+    data = json.loads(json.dumps(DEFAULT_PLAN))
+    if args.plan:
+        path = Path(args.plan)
+        if not path.is_file():
+            raise ShardfitError(f"plan file '{args.plan}' not found: give a YAML/JSON plan or use --model/--strategy")
+        text = path.read_text()
+        try:
+            import yaml
+
+            loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        except Exception as exc:  # noqa: BLE001 - YAML and JSON errors alike: one line
+            raise ShardfitError(f"plan file '{args.plan}' is not valid {path.suffix[1:] or 'YAML'}: "
+                                f"{str(exc).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ShardfitError(f"plan file '{args.plan}' must be a mapping with a 'model' key")
+        data = loaded
+    training = dict(data.get("training") or {})
+    strategy = data.get("strategy") or {}
+    if args.model:
+        data["model"] = args.model
+    if args.strategy:
+        from shardfit.spec.plan import parse_strategy
+        import dataclasses
+
+        parsed = parse_strategy(args.strategy)
+        strategy = {f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)
+                    if getattr(parsed, f.name) != f.default}
+        strategy["kind"] = parsed.kind
+    if args.bucket:
+        for key in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size"):
+            strategy[key] = int(args.bucket)
+    for flag, key in (("precision", "precision"), ("micro_batch", "micro_batch"), ("seq", "seq_len"),
+                      ("grad_accum", "grad_accum"), ("ac", "activation_checkpointing")):
+        if getattr(args, flag) is not None:
+            training[key] = getattr(args, flag)
+    cluster = dict(data.get("cluster") or {})
+    cluster.setdefault("nodes", 1)
+    cluster["gpus_per_node"] = args.nproc
+    data.update(training=training, strategy=strategy, cluster=cluster)
+    return data
+
+
+def _launch(module_args: list[str], nproc: int, timeout: float):
+    import subprocess
+
+    from shardfit.errors import ShardfitError
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+               f"--master-port={_free_port()}", *module_args]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ShardfitError(f"the profiled run did not finish within {timeout:.0f}s (a hang?): raise --timeout") from None
+    return done
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(args) -> int:
+    from shardfit.errors import ShardfitError
+
+    if args.nproc < 1:
+        raise ShardfitError("--nproc must be at least 1")
+    if args.budget is not None and args.budget <= 0:
+        raise ShardfitError(f"--budget must be a positive number of bytes, got {args.budget:g}")
+    if args.script:
+        # After `--` argparse hands every word to the positionals: the first lands in `plan`.
+        args.script_args = ([args.plan] if args.plan else []) + list(args.script_args)
+        return _run_script(args)
+    if args.script_args:
+        raise ShardfitError(f"unexpected argument '{args.script_args[0]}': arguments after -- go with --script")
+    from shardfit.measure.worker import load_plan
+
+    data = build_plan_dict(args)
+    plan = load_plan(data)  # fail fast, here, on a bad plan
+    config = {"plan": data, "steps": args.steps, "checkpoint": args.checkpoint,
+              "budget_bytes": int(args.budget) if args.budget else None, "label": plan.strategy.label}
+    with tempfile.TemporaryDirectory() as tmp:
+        configs, out = Path(tmp) / "configs.json", Path(tmp) / "out.jsonl"
+        configs.write_text(json.dumps([config]))
+        done = _launch(["-m", "shardfit.measure.worker", str(configs), str(out)], args.nproc, args.timeout)
+        if not out.exists():
+            tail = (done.stderr or "").strip().splitlines()[-5:]
+            raise ShardfitError("the profiled run failed before reporting: " + " | ".join(tail))
+        result = json.loads(out.read_text().splitlines()[0])
+    return _print_result(result, plan, args)
+
+
+def _print_result(result: dict, plan, args) -> int:
+    from shardfit.errors import ShardfitError
+    from shardfit.measure.compare import format_comparison
+    from shardfit.measure.oom import Diagnosis, Fix, format_diagnosis
+    from shardfit.measure.report import GatheredReport, RankReport, format_phase_table
+
+    if result.get("error") and result["error"] != "oom":
+        raise ShardfitError(f"the profiled run failed: {result['error']}")
+    if args.chart and result.get("measured"):
+        from shardfit.measure.chart import write_chart
+
+        write_chart(result["measured"], (result.get("estimate") or {}).get("phases"), args.chart,
+                    title=f"{plan.model.name} {result['label']} {plan.training.precision} "
+                          f"AC {plan.training.activation_checkpointing}")
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 3 if result.get("error") == "oom" else 0
+    title = (f"{plan.model.name} · {result['label']} · {plan.training.precision} · micro-batch "
+             f"{plan.training.micro_batch} × seq {plan.training.seq_len} · AC {plan.training.activation_checkpointing}"
+             f" · {args.nproc} ranks · worst rank per term")
+    if result.get("comparison"):
+        print(format_comparison(result["comparison"], title=title))
+    else:
+        print(format_phase_table(result["measured"], title=title + " (no estimator available)"))
+    gathered = GatheredReport(ranks=tuple(RankReport.from_dict(r) for r in result["report"]["ranks"]))
+    for line in gathered.imbalance_lines():
+        print(f"imbalance: {line}")
+    if result.get("diagnosis"):
+        d = dict(result["diagnosis"])
+        d["fixes"] = tuple(Fix(**f) for f in d["fixes"])
+        d["notes"] = tuple(d["notes"])
+        print(format_diagnosis(Diagnosis(**d)))
+    if args.chart:
+        print(f"chart: {args.chart}")
+    return 3 if result.get("error") == "oom" else 0
+
+
+def _run_script(args) -> int:
+    from shardfit.errors import ShardfitError
+    from shardfit.measure.report import GatheredReport, RankReport, format_phase_table
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise ShardfitError(f"script '{args.script}' not found")
+    with tempfile.TemporaryDirectory() as tmp:
+        launch_args = ["-m", "shardfit.measure.script_runner", tmp, str(script), *args.script_args]
+        if args.budget:
+            os.environ["SHARDFIT_MEMORY_BUDGET"] = str(int(args.budget))
+        done = _launch(launch_args, args.nproc, args.timeout)
+        files = sorted(Path(tmp).glob("rank*.json"))
+        if not files:
+            tail = (done.stderr or "").strip().splitlines()[-5:]
+            raise ShardfitError(f"the script failed before reporting (exit {done.returncode}): " + " | ".join(tail))
+        ranks = tuple(RankReport.from_dict(json.loads(f.read_text())) for f in files)
+    gathered = GatheredReport(ranks=ranks)
+    if args.chart:
+        from shardfit.measure.chart import write_chart
+
+        write_chart(gathered.phases, None, args.chart, title=f"{script.name} (measured)")
+    if args.json:
+        print(json.dumps(gathered.to_dict(), indent=1))
+    else:
+        print(format_phase_table(gathered.phases, title=f"{script.name} · {len(ranks)} ranks · worst rank per term"))
+        for line in gathered.imbalance_lines():
+            print(f"imbalance: {line}")
+        from shardfit.measure.oom import diagnose, format_diagnosis
+
+        for rank in ranks:
+            if rank.oom:
+                print(format_diagnosis(diagnose(rank)))
+    return 3 if gathered.ooms else (0 if done.returncode == 0 else 1)

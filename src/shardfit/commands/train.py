@@ -1,0 +1,86 @@
+"""`shardfit train [PLAN.yaml]`: train a Plan on DDP, FSDP, FSDP2 or DeepSpeed ZeRO.
+
+Outside a distributed launch it starts itself under torchrun (--nproc ranks per node; several
+nodes with --nnodes/--node-rank/--rdzv-endpoint), so one command works on a laptop and a cluster.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("plan", nargs="?", help="plan YAML (default: tiny-llama on CPU, fp32, 20 steps)")
+    group = parser.add_argument_group("plan overrides")
+    group.add_argument("--model", help="preset name, local config/model directory, or pkg.module:fn")
+    group.add_argument("--strategy", help="ddp, fsdp[:hybrid_shard], fsdp2[:no_reshard], zero1, zero2, zero3, +offload")
+    group.add_argument("--precision", help="fp32, bf16, fp16, bf16-pure")
+    group.add_argument("--steps", type=int)
+    group.add_argument("--micro-batch", type=int, dest="micro_batch")
+    group.add_argument("--seq", type=int, help="maximum sequence length (batches are padded to their longest)")
+    group.add_argument("--grad-accum", type=int, dest="grad_accum")
+    group.add_argument("--ac", help="activation checkpointing: none, full, every-N")
+    group.add_argument("--lr", type=float)
+    group.add_argument("--seed", type=int)
+    group.add_argument("--lora-rank", type=int, dest="lora_rank", help="train LoRA adapters of this rank")
+    group.add_argument("--shard-group-size", type=int, dest="shard_group_size", help="HSDP: ranks per shard group")
+    group.add_argument("--data", help="local .txt or .jsonl file (default: the embedded corpus)")
+    group.add_argument("--tokenizer", help="local HF tokenizer directory (default: byte-level)")
+    group.add_argument("--log-every", type=int, dest="log_every")
+    group.add_argument("--eval-every", type=int, dest="eval_every")
+    group.add_argument("--save-every", type=int, dest="save_every")
+    group.add_argument("--keep", type=int, help="checkpoints to keep")
+    group.add_argument("--nan-policy", choices=("stop", "skip"), dest="nan_policy")
+    run = parser.add_argument_group("run")
+    run.add_argument("--out", default="shardfit-run", help="output folder: metrics.jsonl, checkpoints/ (default: shardfit-run)")
+    run.add_argument("--resume", help="'latest', a run folder, or a checkpoint folder")
+    run.add_argument("--export", help="write a Hugging Face model folder at the end")
+    run.add_argument("--prompt", default=None, help="prompt of the sample generated at each evaluation")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    launch = parser.add_argument_group("launch")
+    launch.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2)")
+    launch.add_argument("--nnodes", type=int, default=1)
+    launch.add_argument("--node-rank", type=int, default=0, dest="node_rank")
+    launch.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", help="HOST:PORT of node 0 (multi-node)")
+
+
+def run(args) -> int:
+    from shardfit.errors import ShardfitError
+    from shardfit.train.launch import build_plan, inside_launch, relaunch
+
+    if args.nproc < 1 or args.nnodes < 1:
+        raise ShardfitError("--nproc and --nnodes must be at least 1")
+    if not inside_launch():
+        build_plan(args)  # fail fast, in this process, on a bad plan or flag
+        return relaunch(_worker_argv(sys.argv[1:]), args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
+
+    from shardfit.train.loop import DEFAULT_PROMPT, RunOptions, train
+
+    plan = build_plan(args)
+    options = RunOptions(resume=args.resume, progress=not args.no_progress, prompt=args.prompt or DEFAULT_PROMPT,
+                         export=args.export)
+    try:
+        train(plan, args.out, options)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+_LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint")
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The workers' arguments: the launch flags go to torchrun, not to them. NOTE: torchrun's argparse
+    classifies every argument, even those after the script, so `--nproc` there is an 'ambiguous option'."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _LAUNCH_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out

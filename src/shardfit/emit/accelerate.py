@@ -1,0 +1,93 @@
+"""Accelerate config YAML (`accelerate launch --config_file ...`) from a Plan.
+
+Keys are the ones `accelerate config` writes and `accelerate launch` reads (ClusterConfig plus the
+`--fsdp_*` / DeepSpeed launch arguments); tests load the file with accelerate's own loader.
+"""
+from __future__ import annotations
+
+import yaml
+
+from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class
+from shardfit.spec.plan import Plan
+
+_MIXED = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp32": "no"}
+_FSDP1_SHARDING = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "hybrid_shard": "HYBRID_SHARD",
+                   "no_shard": "NO_SHARD"}
+
+
+def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]]:
+    s, t, c = plan.strategy, plan.training, plan.cluster
+    notes: list[str] = []
+    config: dict = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": _MIXED[t.precision],
+        "num_machines": c.nodes,
+        "num_processes": c.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+        "downcast_bf16": "no",
+    }
+    if c.nodes > 1:
+        config["main_process_ip"] = options.master_addr if not options.master_addr.startswith("$") else "node-0"
+        config["main_process_port"] = options.master_port
+        notes.append("set main_process_ip to the first node's address and machine_rank per node")
+    if s.is_deepspeed:
+        config["distributed_type"] = "DEEPSPEED"
+        ds = {"zero_stage": int(s.kind[-1]), "gradient_accumulation_steps": t.grad_accum,
+              "gradient_clipping": plan.schedule.grad_clip,
+              "offload_optimizer_device": s.offload_optimizer or "none",
+              "offload_param_device": s.offload_params or "none"}
+        if s.offload_optimizer == "nvme":
+            ds["offload_optimizer_nvme_path"] = s.nvme_path
+        if s.offload_params == "nvme":
+            ds["offload_param_nvme_path"] = s.nvme_path
+        if s.kind == "zero3":
+            ds["zero3_init_flag"] = True
+            ds["zero3_save_16bit_model"] = False
+        if c.nodes > 1:
+            ds["deepspeed_multinode_launcher"] = "standard"
+        config["deepspeed_config"] = ds
+        notes.append("bucket sizes are not accelerate arguments: for non-default buckets pass the JSON from "
+                     "`shardfit emit --format deepspeed` as deepspeed_config_file")
+    elif s.kind in ("fsdp", "fsdp2"):
+        config["distributed_type"] = "FSDP"
+        every = ac_every(plan)
+        fsdp = {"fsdp_version": 1 if s.kind == "fsdp" else 2,
+                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "fsdp_transformer_layer_cls_to_wrap": s.wrap_unit or block_class(plan.model),
+                "fsdp_offload_params": bool(s.offload_params),
+                "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                "fsdp_cpu_ram_efficient_loading": True,
+                "fsdp_sync_module_states": True,
+                "fsdp_use_orig_params": True,
+                "fsdp_activation_checkpointing": every > 0}
+        if every > 1:
+            notes.append(f"accelerate checkpoints every block: the plan's {t.activation_checkpointing} becomes full")
+        if s.kind == "fsdp":
+            fsdp["fsdp_sharding_strategy"] = _FSDP1_SHARDING[s.sharding]
+            fsdp["fsdp_backward_prefetch"] = {"backward_pre": "BACKWARD_PRE", "backward_post": "BACKWARD_POST",
+                                              "none": "NO_PREFETCH"}[s.backward_prefetch]
+        else:
+            fsdp["fsdp_reshard_after_forward"] = s.reshard_after_forward
+            group = s.shard_group_size
+            if group and group < c.world_size:
+                # FSDP2 hybrid sharding (HSDP) is a 2-D mesh: replicate across groups, shard inside.
+                config["parallelism_config"] = {"parallelism_config_dp_replicate_size": c.world_size // group,
+                                                "parallelism_config_dp_shard_size": group}
+        config["fsdp_config"] = fsdp
+    else:
+        config["distributed_type"] = "MULTI_GPU" if c.world_size > 1 else "NO"
+        if c.nodes == 1:
+            config["gpu_ids"] = "all"
+    return config, notes
+
+
+def emit_accelerate(plan: Plan, options: EmitOptions) -> Emitted:
+    config, notes = accelerate_config(plan, options)
+    text = "# accelerate launch --config_file accelerate.yaml train.py   (written by shardfit)\n"
+    text += yaml.safe_dump(config, sort_keys=True)
+    return Emitted(files={"accelerate.yaml": text}, notes=tuple(notes))

@@ -1,0 +1,112 @@
+"""What every emitter shares: the output bundle, the model's HF config and block class, atomic writes."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardfit.errors import ShardfitError
+from shardfit.spec.model_spec import ModelSpec
+from shardfit.spec.plan import Plan, parse_activation_checkpointing
+
+PRESETS = Path(__file__).resolve().parents[1] / "spec" / "presets"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmitOptions:
+    plan_path: str = "plan.yaml"  # how launch commands refer to the plan
+    entry: str | None = None  # training entry point; None = `-m shardfit train PLAN`
+    master_addr: str = "$MASTER_ADDR"
+    master_port: int = 29500
+    hosts: tuple[str, ...] = ()  # hostfile names; default node-0, node-1, ...
+    time_limit: str = "24:00:00"  # SLURM
+    out_dir: str = "out"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Emitted:
+    """Files to write (name -> text; the first is the main one) and notes for the user (stderr)."""
+    files: dict[str, str]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def main(self) -> str:
+        return next(iter(self.files.values()))
+
+
+def hf_config(spec: ModelSpec) -> dict | None:
+    """The model's Hugging Face config (preset file, local config path, or rebuilt from the shape);
+    None for a model that is not a transformers model (nn.Module factory, params-only)."""
+    if spec.family in ("module", "params"):
+        return None
+    for candidate in (PRESETS / f"{spec.source}.json", Path(spec.source), Path(spec.source) / "config.json"):
+        try:
+            if candidate.is_file():
+                return json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+    if spec.family in ("llama", "mistral", "qwen2") and spec.has_shape:
+        return {"model_type": spec.family, "hidden_size": spec.hidden_size, "num_hidden_layers": spec.num_layers,
+                "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads or spec.num_heads,
+                "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
+                "max_position_embeddings": spec.max_position or 4096, "tie_word_embeddings": spec.tie_embeddings}
+    if spec.family == "gpt2" and spec.has_shape:
+        return {"model_type": "gpt2", "n_embd": spec.hidden_size, "n_layer": spec.num_layers, "n_head": spec.num_heads,
+                "vocab_size": spec.vocab_size, "n_positions": spec.max_position or 1024}
+    return None
+
+
+def block_class(spec: ModelSpec) -> str:
+    """The repeated block class name: the FSDP wrap unit and activation-checkpointing unit."""
+    if spec.block_class:
+        return spec.block_class
+    defaults = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
+                "mixtral": "MixtralDecoderLayer", "gemma2": "Gemma2DecoderLayer", "gpt2": "GPT2Block", "bert": "BertLayer"}
+    if spec.family in defaults:
+        return defaults[spec.family]
+    raise ShardfitError(f"model '{spec.name}' has no known block class: set block_class in its spec "
+                        "(the class name of the repeated transformer layer, e.g. LlamaDecoderLayer)")
+
+
+def block_module(spec: ModelSpec) -> str:
+    """The transformers module that defines the block class, for `import` lines."""
+    config = hf_config(spec) or {}
+    model_type = config.get("model_type") or spec.family
+    return f"transformers.models.{model_type}.modeling_{model_type}"
+
+
+def ac_every(plan: Plan) -> int:
+    return parse_activation_checkpointing(plan.training.activation_checkpointing)
+
+
+def launch_entry(options: EmitOptions) -> str:
+    return options.entry or f"-m shardfit train {options.plan_path}"
+
+
+def write_files(files: dict[str, str], target: str | os.PathLike, single: bool) -> list[Path]:
+    """Write all files atomically: every file goes to a temporary name in its final folder first and
+    is renamed only when all were written, so a failure never leaves a partial output file.
+    `single`: target is the file itself; otherwise it is a folder."""
+    target = Path(target)
+    paths = [target] if single else [target / name for name in files]
+    written: list[tuple[str, Path]] = []
+    try:
+        for path, text in zip(paths, files.values()):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+            if path.suffix in (".sh", ".sbatch") or text.startswith("#!"):
+                os.chmod(tmp, 0o755)
+            else:
+                os.chmod(tmp, 0o644)
+            written.append((tmp, path))
+    except OSError as exc:
+        for tmp, _ in written:
+            Path(tmp).unlink(missing_ok=True)
+        raise ShardfitError(f"cannot write {exc.filename or target}: {exc.strerror}") from None
+    for tmp, path in written:
+        os.replace(tmp, path)
+    return paths

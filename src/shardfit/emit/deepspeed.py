@@ -1,0 +1,87 @@
+"""DeepSpeed config JSON from a Plan (the keys DeepSpeed's own DeepSpeedConfig accepts)."""
+from __future__ import annotations
+
+import json
+
+from shardfit.emit.common import Emitted, EmitOptions
+from shardfit.errors import ShardfitError
+from shardfit.spec.plan import Plan
+
+# DeepSpeed's native optimizer types; others run as a client optimizer built in the training script.
+_DS_OPTIMIZERS = {"adamw": "AdamW", "lion": "Lion"}
+
+
+def _offload(device: str | None, nvme_path: str | None) -> dict:
+    section = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        section["nvme_path"] = nvme_path
+    return section
+
+
+def zero_section(plan: Plan) -> dict:
+    s = plan.strategy
+    stage = int(s.kind[-1])
+    zero = {"stage": stage, "overlap_comm": s.overlap_comm, "contiguous_gradients": True,
+            "reduce_bucket_size": s.reduce_bucket_size}
+    if stage in (1, 2):
+        zero.update(reduce_scatter=True, allgather_partitions=True, allgather_bucket_size=s.allgather_bucket_size)
+    else:
+        zero.update(stage3_prefetch_bucket_size=s.prefetch_bucket_size,
+                    stage3_param_persistence_threshold=s.param_persistence_threshold,
+                    stage3_max_live_parameters=s.max_live_parameters,
+                    stage3_max_reuse_distance=s.max_reuse_distance,
+                    # Sharded checkpoints: gathering 16-bit weights on rank 0 at save time needs the whole model there.
+                    stage3_gather_16bit_weights_on_model_save=False)
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = _offload(s.offload_optimizer, s.nvme_path)
+    if s.offload_params:
+        zero["offload_param"] = _offload(s.offload_params, s.nvme_path)
+    return zero
+
+
+def deepspeed_config(plan: Plan) -> dict:
+    s, t, sched = plan.strategy, plan.training, plan.schedule
+    if not s.is_deepspeed:
+        raise ShardfitError(f"the plan's strategy is {s.label}, not DeepSpeed: use --format "
+                            f"{'fsdp' if s.kind == 'fsdp' else 'fsdp2' if s.kind == 'fsdp2' else 'torchrun'}, "
+                            "or set strategy.kind to zero1/zero2/zero3")
+    config: dict = {
+        "train_batch_size": plan.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "gradient_clipping": sched.grad_clip,
+        "steps_per_print": max(sched.log_every, 1),
+        "wall_clock_breakdown": False,
+    }
+    if t.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif t.precision == "fp16":
+        # loss_scale 0 = dynamic loss scaling; a fixed scale of 1 means none (kept only when asked).
+        scale = 1.0 if t.loss_scaling is False else 0
+        config["fp16"] = {"enabled": True, "loss_scale": scale, "initial_scale_power": 16,
+                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+    config["zero_optimization"] = zero_section(plan)
+    if t.optimizer in _DS_OPTIMIZERS:
+        config["optimizer"] = {"type": _DS_OPTIMIZERS[t.optimizer],
+                               "params": {"lr": sched.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                          "weight_decay": sched.weight_decay}}
+        config["scheduler"] = {"type": "WarmupCosineLR",
+                               "params": {"total_num_steps": max(sched.steps, 1),
+                                          "warmup_num_steps": min(sched.warmup_steps, max(sched.steps, 1)),
+                                          "cos_min_ratio": sched.min_lr_ratio}}
+    else:
+        config["zero_allow_untested_optimizer"] = True
+    return config
+
+
+def emit_deepspeed(plan: Plan, options: EmitOptions) -> Emitted:
+    config = deepspeed_config(plan)
+    notes = []
+    if "optimizer" not in config:
+        notes.append(f"{plan.training.optimizer} is not a DeepSpeed optimizer: build it in the script and pass "
+                     "it to deepspeed.initialize(optimizer=...)")
+    if plan.training.activation_checkpointing != "none":
+        notes.append("activation checkpointing is set in the model code (e.g. model.gradient_checkpointing_enable("
+                     "gradient_checkpointing_kwargs={'use_reentrant': False}) and model.config.use_cache = False), "
+                     "not in this JSON")
+    return Emitted(files={"ds_config.json": json.dumps(config, indent=2) + "\n"}, notes=tuple(notes))

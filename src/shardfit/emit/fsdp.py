@@ -1,0 +1,239 @@
+"""A runnable FSDP1 / FSDP2 training script from a Plan: NCCL on GPUs, gloo on CPU.
+
+The script follows torchtitan's order: build the model, LoRA, activation checkpointing, shard each
+block then the root, and only then build the optimizer (an optimizer built before `fully_shard`
+holds the unsharded parameters). It trains on random tokens so it runs anywhere; swap `batches()`
+and `build_model()` for real data and weights.
+"""
+from __future__ import annotations
+
+from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, hf_config
+from shardfit.errors import ShardfitError
+from shardfit.spec.plan import Plan
+
+_DTYPES = {"bf16": "torch.bfloat16", "bf16-pure": "torch.bfloat16", "fp16": "torch.float16", "fp32": None}
+
+_HEADER = '''"""{kind} training script written by `shardfit emit --format {fmt}` for {model}: {label},
+{nodes} node(s) x {gpus} GPU(s), micro-batch {micro} x accumulation {accum} x {world} ranks = global batch {global_batch}.
+
+Run:  torchrun --nproc-per-node {gpus} {{this file}}     (multi-node: `shardfit emit --format torchrun`)
+On CPU it runs with gloo (e.g. torchrun --nproc-per-node 2); STEPS=3 overrides the step count.
+"""
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+STEPS = int(os.environ.get("STEPS", "{steps}"))
+MICRO_BATCH, GRAD_ACCUM, SEQ_LEN = {micro}, {accum}, {seq}
+LR, WEIGHT_DECAY, GRAD_CLIP, SEED, LOG_EVERY = {lr}, {wd}, {clip}, {seed}, {log_every}
+BLOCK_CLASS = "{block}"  # the repeated layer: the FSDP unit and the activation-checkpointing unit
+AC_EVERY = {ac_every}  # checkpoint every N-th block; 0 = off
+SHARD_GROUP = {group}  # ranks per shard group (hybrid sharding across nodes); None = all ranks
+COMPUTE_DTYPE = {dtype}  # None = fp32
+LORA = {lora}
+MODEL_CONFIG = {config}
+
+
+def build_model():
+    # Random init from the config. For pretrained weights: AutoModelForCausalLM.from_pretrained(...).
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = dict(MODEL_CONFIG)
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    config.use_cache = False  # the KV cache breaks recomputation under activation checkpointing
+    model = AutoModelForCausalLM.from_config(config)
+    if LORA:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+    return model
+
+
+def apply_activation_checkpointing(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as apply_ac, checkpoint_wrapper)
+    blocks = [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]
+    chosen = {{id(m) for m in blocks[::AC_EVERY]}}
+    apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen)
+
+
+def batches(vocab, device, rank):
+    # A generator of its own per rank: different data per rank, while the global RNG (model init,
+    # dropout) stays identical on every rank.
+    gen = torch.Generator().manual_seed(SEED + rank)
+    while True:
+        ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
+        yield ids.to(device)
+'''
+
+_FSDP2 = '''
+
+def shard(model, device, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    if SHARD_GROUP and SHARD_GROUP < world:
+        mesh = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    kwargs = {{"mesh": mesh, "reshard_after_forward": {reshard}}}
+    if COMPUTE_DTYPE is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
+    if {offload}:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def clip(model):
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
+'''
+
+_FSDP1 = '''
+
+def shard(model, device, world):
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    block_types = {{type(m) for m in model.modules() if type(m).__name__ == BLOCK_CLASS}}
+    kwargs = {{}}
+    if SHARD_GROUP and SHARD_GROUP < world:
+        from torch.distributed.device_mesh import init_device_mesh
+        kwargs["device_mesh"] = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP))
+    if COMPUTE_DTYPE is not None:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32,
+                                                   buffer_dtype=COMPUTE_DTYPE)
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(block_types),
+                sharding_strategy=ShardingStrategy.{sharding},
+                backward_prefetch={prefetch},
+                cpu_offload=CPUOffload(offload_params={offload}),
+                device_id=device,  # FSDP1 needs device_id=cpu on CPU, the GPU index on GPUs
+                sync_module_states=device.type == "cuda",  # every rank seeds the same init; GPU-only check on CPU
+                use_orig_params=True, limit_all_gathers=True, **kwargs)
+
+
+def clip(model):
+    model.clip_grad_norm_(GRAD_CLIP)
+'''
+
+_MAIN = '''
+
+def main():
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # not the global rank: that breaks on node 2+
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(SEED)  # the same initial weights on every rank
+    model = build_model().to(device)
+    if AC_EVERY:
+        apply_activation_checkpointing(model)
+    model = shard(model, device, world)
+    # The optimizer comes after sharding so it holds the sharded parameters.
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                  betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+    scaler = None
+    if COMPUTE_DTYPE == torch.float16:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler(device.type)  # fp16 needs loss scaling
+    data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank)
+    start = time.perf_counter()
+    for step in range(STEPS):
+        total = 0.0
+        for _ in range(GRAD_ACCUM):
+            ids = next(data)
+            loss = model(input_ids=ids, labels=ids).loss / GRAD_ACCUM
+            (scaler.scale(loss) if scaler else loss).backward()
+            total += loss.item()
+        if scaler:
+            scaler.unscale_(optimizer)
+        clip(model)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0 and (step % LOG_EVERY == 0 or step == STEPS - 1):
+            print(f"step {{step}} loss {{total:.4f}} {{time.perf_counter() - start:.1f}}s", flush=True)
+    if os.environ.get("CHECKSUM"):  # replicas must agree: compare this line across ranks
+        local = sum(float((p.to_local() if hasattr(p, "to_local") else p).detach().float().sum())
+                    for p in model.parameters())
+        print(f"rank {{rank}} checksum {{local:.6f}}", flush=True)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device) / 2**30
+        print(f"rank {{rank}} peak allocated {{peak:.2f}} GiB", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def fsdp_script(plan: Plan, version: int) -> str:
+    s, t, c, sched = plan.strategy, plan.training, plan.cluster, plan.schedule
+    config = hf_config(plan.model)
+    if config is None:
+        raise ShardfitError(f"model '{plan.model.name}' is not a transformers model: the FSDP script needs a preset "
+                            "or a config.json; for your own nn.Module use --format accelerate or torchrun")
+    if t.lora is not None and t.lora.base_dtype in ("int8", "nf4"):
+        raise ShardfitError(f"the FSDP script has no quantized base ({t.lora.base_dtype}): use lora.base_dtype bf16, "
+                            "or --format hf-trainer with bitsandbytes")
+    group = s.shard_group_size or (c.gpus_per_node if s.sharding == "hybrid_shard" and s.kind == "fsdp" else None)
+    if version == 1 and group == 1 and c.world_size > 1:
+        raise ShardfitError("FSDP1 hybrid shard with a shard group of 1 never syncs replicas: use --format fsdp2")
+    lora = None
+    if t.lora is not None:
+        lora = {"r": t.lora.rank, "lora_alpha": t.lora.alpha, "lora_dropout": t.lora.dropout,
+                "target_modules": list(t.lora.target_modules)}
+    config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version", "dtype")}
+    fields = dict(kind="FSDP1" if version == 1 else "FSDP2", fmt="fsdp" if version == 1 else "fsdp2",
+                  model=plan.model.name, label=s.label, nodes=c.nodes, gpus=c.gpus_per_node, world=c.world_size,
+                  micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
+                  steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
+                  log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
+                  ac_every=ac_every(plan), group=group, dtype=_DTYPES[t.precision], lora=repr(lora),
+                  config=repr(dict(sorted(config.items()))))
+    if version == 2:
+        body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
+                             offload=bool(s.offload_params))
+    else:
+        mode = s.sharding
+        if group and group < c.world_size:
+            mode = "hybrid_shard"
+        elif s.kind == "fsdp2":
+            mode = "shard_grad_op" if not s.reshard_after_forward else ("hybrid_shard" if group else "full_shard")
+        sharding = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
+                    "hybrid_shard": "HYBRID_SHARD"}[mode]
+        prefetch = {"backward_pre": "BackwardPrefetch.BACKWARD_PRE", "backward_post": "BackwardPrefetch.BACKWARD_POST",
+                    "none": "None"}[s.backward_prefetch]
+        body = _FSDP1.format(sharding=sharding, prefetch=prefetch, offload=bool(s.offload_params))
+    return _HEADER.format(**fields) + body + _MAIN.format()
+
+
+def _check_kind(plan: Plan, version: int) -> list[str]:
+    kind = plan.strategy.kind
+    if kind in ("fsdp", "fsdp2"):
+        if (kind == "fsdp") != (version == 1):
+            return [f"the plan says {plan.strategy.label}; this script uses FSDP{version} with the same sharding"]
+        return []
+    if kind == "zero3":
+        return [f"the plan says {kind}; the FSDP{version} equivalent (full shard) is written instead"]
+    raise ShardfitError(f"the plan's strategy is {plan.strategy.label}: FSDP scripts are for fsdp/fsdp2/zero3 plans; "
+                        "use --format deepspeed or torchrun")
+
+
+def emit_fsdp(plan: Plan, options: EmitOptions, version: int = 1) -> Emitted:
+    notes = _check_kind(plan, version)
+    if plan.strategy.kind == "zero3":
+        from dataclasses import replace
+        offload = "cpu" if plan.strategy.offload_params else None
+        plan = replace(plan, strategy=replace(plan.strategy, kind="fsdp" if version == 1 else "fsdp2",
+                                              sharding="full_shard", offload_optimizer=None, offload_params=offload))
+    name = "train_fsdp.py" if version == 1 else "train_fsdp2.py"
+    return Emitted(files={name: fsdp_script(plan, version)}, notes=tuple(notes))

@@ -1,0 +1,81 @@
+"""Launch commands: torchrun (single- and multi-node), the DeepSpeed launcher with a hostfile, SLURM."""
+from __future__ import annotations
+
+from shardfit.emit.common import Emitted, EmitOptions, launch_entry
+from shardfit.spec.plan import Plan
+
+
+def _hosts(plan: Plan, options: EmitOptions) -> list[str]:
+    nodes = plan.cluster.nodes
+    if options.hosts:
+        if len(options.hosts) != nodes:
+            from shardfit.errors import ShardfitError
+            raise ShardfitError(f"--hosts names {len(options.hosts)} host(s) but the plan has {nodes} node(s)")
+        return list(options.hosts)
+    return ["localhost"] if nodes == 1 else [f"node-{i}" for i in range(nodes)]
+
+
+def torchrun_command(plan: Plan, options: EmitOptions) -> str:
+    c = plan.cluster
+    if c.nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {c.gpus_per_node} {launch_entry(options)}"
+    # c10d rendezvous: the same command on every node, no node rank to get wrong.
+    return (f"torchrun --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint {options.master_addr}:{options.master_port} --rdzv-id shardfit-$USER "
+            f"{launch_entry(options)}")
+
+
+def emit_torchrun(plan: Plan, options: EmitOptions) -> Emitted:
+    c = plan.cluster
+    lines = ["#!/usr/bin/env bash", f"# {plan.model.name}: {plan.strategy.label}, {c.nodes} node(s) x {c.gpus_per_node} GPU(s)",
+             "set -euo pipefail"]
+    if c.nodes == 1:
+        lines += ["# single node", torchrun_command(plan, options)]
+    else:
+        lines += ["# multi-node: run this same script on every node; MASTER_ADDR = the first node's address",
+                  ': "${MASTER_ADDR:?set MASTER_ADDR to the hostname or IP of the first node}"',
+                  torchrun_command(plan, options)]
+    return Emitted(files={"run_torchrun.sh": "\n".join(lines) + "\n"})
+
+
+def emit_deepspeed_launcher(plan: Plan, options: EmitOptions) -> Emitted:
+    c = plan.cluster
+    hosts = _hosts(plan, options)
+    hostfile = "".join(f"{host} slots={c.gpus_per_node}\n" for host in hosts)
+    entry = launch_entry(options)
+    # --no_local_rank: the entry point reads LOCAL_RANK from the environment like under torchrun.
+    module = entry.startswith("-m ")
+    target = f"--module {entry[3:]}" if module else entry
+    command = (f"deepspeed --hostfile hostfile --num_nodes {c.nodes} --num_gpus {c.gpus_per_node} "
+               f"--master_addr {hosts[0]} --master_port {options.master_port} --no_local_rank {target}")
+    script = ["#!/usr/bin/env bash", f"# {plan.model.name}: {plan.strategy.label}; run on the first host "
+              "(the launcher reaches the others over passwordless ssh/pdsh)", "set -euo pipefail",
+              'cd "$(dirname "$0")"', command]
+    notes = [] if options.hosts or c.nodes == 1 else ["replace node-0 ... in hostfile with your host names (or pass --hosts)"]
+    return Emitted(files={"run_deepspeed.sh": "\n".join(script) + "\n", "hostfile": hostfile}, notes=tuple(notes))
+
+
+def emit_slurm(plan: Plan, options: EmitOptions) -> Emitted:
+    c = plan.cluster
+    cpus = max(4 * c.gpus_per_node, 8)
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=shardfit-{plan.model.name}",
+        f"#SBATCH --nodes={c.nodes}",
+        "#SBATCH --ntasks-per-node=1  # one torchrun per node; it starts the per-GPU ranks",
+        f"#SBATCH --gpus-per-node={c.gpus_per_node}",
+        f"#SBATCH --cpus-per-task={cpus}",
+        f"#SBATCH --time={options.time_limit}",
+        "#SBATCH --exclusive",
+        "#SBATCH --output=%x-%j.out",
+        "set -euo pipefail",
+        f"# {plan.strategy.label}, micro-batch {plan.training.micro_batch} x accumulation {plan.training.grad_accum} "
+        f"x {c.world_size} GPUs = global batch {plan.global_batch}",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"MASTER_PORT={options.master_port}",
+        f"export OMP_NUM_THREADS={max(cpus // c.gpus_per_node, 1)}",
+        f'srun --kill-on-bad-exit=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {c.gpus_per_node} '
+        f'--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" '
+        f"{launch_entry(options)}",
+    ]
+    return Emitted(files={"train.sbatch": "\n".join(lines) + "\n"})

@@ -1,0 +1,20 @@
+"""Four engines, one interface: `setup(plan, model, ctx) -> Engine` (see base.Engine)."""
+from __future__ import annotations
+
+import importlib
+
+from shardfit.errors import ShardfitError
+
+MODULES = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "fsdp2", "zero1": "deepspeed", "zero2": "deepspeed",
+           "zero3": "deepspeed"}
+
+
+def engine_module(kind: str):
+    if kind not in MODULES:
+        raise ShardfitError(f"no engine for strategy '{kind}': use one of {', '.join(MODULES)}")
+    return importlib.import_module(f"shardfit.engines.{MODULES[kind]}")
+
+
+def setup(plan, model, ctx):
+    """Wrap `model` (built on CPU with the plan's seed, so every engine starts from the same weights)."""
+    return engine_module(plan.strategy.kind).setup(plan, model, ctx)

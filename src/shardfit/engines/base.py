@@ -1,0 +1,237 @@
+"""What every engine shares: the process group, the Engine record, model preparation (LoRA,
+activation checkpointing, dtype), the optimizer and the LR schedule.
+
+The differences between DDP, FSDP, FSDP2 and DeepSpeed live in the four engine modules and nowhere
+else; the training loop above only calls the Engine's functions.
+"""
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from shardfit.errors import ShardfitError
+from shardfit.spec.plan import Plan, parse_activation_checkpointing
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> DistContext:
+    """Join the process group torchrun set up: NCCL on CUDA, gloo on CPU. Idempotent."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ShardfitError("not inside a distributed launch: run through `shardfit train` or torchrun")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
+                       device=device, backend=backend)
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A wrapped model and the few operations the loop needs. Built by `<engine>.setup(plan, model, ctx)`.
+
+    forward_backward(batch, last) -> detached unscaled loss; gradients are synchronised only when
+        `last` is true (the last micro-batch of an accumulation step).
+    step() -> (grad_norm, stepped): unscale, clip, optimizer and scheduler step, zero grads.
+    zero_grad(): drop accumulated gradients (NaN skip).
+    save(dir) / load(dir): sharded model + optimizer + scheduler (+ loss scaler) state.
+    inference(): context for forward passes outside training (eval mode, no grad, params gathered
+        as the engine needs); every rank must run the same forwards inside it.
+    full_state() -> iterator of (name, tensor): the consolidated model, one tensor at a time; every
+        rank must iterate, only rank 0 gets real values (others get None).
+    """
+    kind: str
+    plan: Plan
+    ctx: DistContext
+    model: Any
+    module: Any
+    optimizer: Any
+    scheduler: Any
+    forward_backward: Callable
+    step: Callable
+    zero_grad: Callable
+    save: Callable
+    load: Callable
+    inference: Callable
+    full_state: Callable
+    extra_state: Callable = lambda: {}
+    load_extra_state: Callable = lambda state: None
+
+
+def unwrap(model):
+    """The HF model inside peft / checkpoint wrappers (config, generation, export names)."""
+    inner = model
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner
+
+
+def prepare_model(plan: Plan, model):
+    """Before any wrapping, on CPU, identical on every rank: LoRA adapters, activation
+    checkpointing per block, pure-bf16 cast."""
+    from shardfit.modeling import block_classes
+
+    t = plan.training
+    blocks_cls = tuple(block_classes(model, plan.model if plan.model.block_class else None))
+    if t.lora is not None:
+        model = apply_lora(plan, model)
+    every = parse_activation_checkpointing(t.activation_checkpointing)
+    if every:
+        apply_activation_checkpointing(model, blocks_cls, every)
+    if t.precision == "bf16-pure":
+        model = model.to(torch.bfloat16)
+    return model, blocks_cls
+
+
+def apply_lora(plan: Plan, model):
+    from peft import LoraConfig, get_peft_model
+
+    lora = plan.training.lora
+    if lora.base_dtype in ("int8", "nf4"):
+        raise ShardfitError(f"training with a {lora.base_dtype} base (QLoRA) needs bitsandbytes on CUDA: use base_dtype bf16 or fp32")
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [m for m in lora.target_modules if m not in names]
+    if missing:
+        raise ShardfitError(f"LoRA target module(s) {', '.join(missing)} not found in {type(model).__name__}: "
+                            f"set training.lora.target_modules (e.g. q_proj,v_proj; c_attn for GPT-2)")
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def apply_activation_checkpointing(model, blocks_cls, every: int) -> None:
+    """Checkpoint every `every`-th block. NOTE: transformers' own mechanism (non-reentrant
+    torch.utils.checkpoint inside each decoder layer) works under every engine, unlike reentrant
+    checkpointing with ZeRO-3 or a wrapper class that changes the FSDP wrap unit."""
+    inner = unwrap(model)
+    if not getattr(inner, "supports_gradient_checkpointing", False):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, apply_activation_checkpointing as wrap_ac, checkpoint_wrapper)
+        blocks = [m for m in model.modules() if isinstance(m, blocks_cls)]
+        chosen = {id(b) for i, b in enumerate(blocks) if i % every == 0}
+        wrap_ac(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+                check_fn=lambda m: id(m) in chosen)
+        return
+    kwargs = {"use_reentrant": False}
+    if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5: every-N built in
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
+        return
+    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    blocks = [m for m in inner.modules() if isinstance(m, blocks_cls)]
+    for index, block in enumerate(blocks):
+        if hasattr(block, "gradient_checkpointing"):
+            block.gradient_checkpointing = index % every == 0
+
+
+def trainable_params(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def build_optimizer(plan: Plan, params):
+    t, s = plan.training, plan.schedule
+    params = list(params)
+    # NOTE: on CPU, foreach=False keeps the update arithmetic the same for plain tensors and DTensors,
+    # so DDP, FSDP and FSDP2 stay bit-identical; on GPUs the multi-tensor kernels are much faster.
+    foreach = bool(params) and params[0].device.type == "cuda"
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95), eps=1e-8,
+                                 foreach=foreach)
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=s.weight_decay, foreach=foreach)
+    raise ShardfitError(f"optimizer '{t.optimizer}' is not supported by `shardfit train` yet: use adamw or sgd")
+
+
+def lr_lambda(plan: Plan) -> Callable[[int], float]:
+    """Linear warm-up, then cosine from the peak down to min_lr_ratio at the last step."""
+    s = plan.schedule
+    warmup, total, floor = max(0, s.warmup_steps), max(1, s.steps), s.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_scheduler(plan: Plan, optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(plan))
+
+
+def autocast(plan: Plan, ctx: DistContext):
+    """bf16 / fp16 autocast for engines that keep fp32 parameters (DDP); FSDP's mixed-precision
+    policies cast the parameters themselves, and pure bf16 needs nothing."""
+    precision = plan.training.precision
+    if precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=ctx.device.type, dtype=dtype)
+    return nullcontext()
+
+
+def low_precision_dtype(plan: Plan):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "bf16-pure": torch.bfloat16}.get(plan.training.precision)
+
+
+def uses_scaler(plan: Plan) -> bool:
+    return plan.training.precision == "fp16" and plan.training.loss_scaling is not False
+
+
+def to_device(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def hybrid_group(plan: Plan, ctx: DistContext) -> int | None:
+    """Ranks per shard group for hybrid sharding, or None for plain sharding over all ranks."""
+    s = plan.strategy
+    if s.kind == "fsdp" and s.sharding != "hybrid_shard":
+        return None
+    if s.kind == "fsdp2" and not s.shard_group_size:
+        return None
+    group = s.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    if group < 1 or ctx.world_size % group:
+        raise ShardfitError(f"hybrid shard group of {group} ranks does not divide the world size {ctx.world_size}: "
+                            "set strategy.shard_group_size to a divisor")
+    return group
+
+
+def device_mesh(ctx: DistContext, group: int | None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if group is None:
+        return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(ctx.device.type, (ctx.world_size // group, group), mesh_dim_names=("replicate", "shard"))
+
+
+def tied_duplicates(module) -> set:
+    """State-dict keys that alias an earlier key (tied embeddings): safetensors stores each once."""
+    seen, duplicates = {}, set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key in seen:
+            duplicates.add(name)
+        else:
+            seen[key] = name
+    return duplicates

@@ -1,0 +1,138 @@
+"""DeepSpeed ZeRO 1/2/3: the config is generated from the Plan; DeepSpeed owns accumulation,
+loss scaling, clipping and (optionally) offload. Plain torchrun launches it: DeepSpeed joins the
+existing process group (gloo on CPU, NCCL on CUDA)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from shardfit.engines import base
+from shardfit.errors import ShardfitError
+
+TAG = "ds"  # one tag per checkpoint directory: the step lives in the directory name
+
+
+def ds_config(plan, world_size: int, cuda: bool) -> dict:
+    """The DeepSpeed JSON for a Plan (also what `shardfit emit` would show)."""
+    s, t, sched = plan.strategy, plan.training, plan.schedule
+    stage = int(s.kind[-1])
+    zero = {"stage": stage, "overlap_comm": s.overlap_comm, "contiguous_gradients": True,
+            "reduce_bucket_size": s.reduce_bucket_size}
+    if stage < 3:
+        zero["allgather_bucket_size"] = s.allgather_bucket_size
+        zero["reduce_scatter"] = True
+    else:
+        zero.update({"stage3_prefetch_bucket_size": s.prefetch_bucket_size,
+                     "stage3_param_persistence_threshold": s.param_persistence_threshold,
+                     "stage3_max_live_parameters": s.max_live_parameters,
+                     "stage3_gather_16bit_weights_on_model_save": False})
+    for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_params)):
+        if device:
+            zero[key] = {"device": device, "pin_memory": cuda}
+            if device == "nvme":
+                zero[key]["nvme_path"] = s.nvme_path
+    config = {
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch * t.grad_accum * world_size,
+        "gradient_clipping": float(sched.grad_clip or 0.0),
+        "zero_optimization": zero,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16", "loss_scale": 0 if t.loss_scaling is not False else 1,
+                 "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        # Our optimizer is torch's AdamW (same math as the other engines, no op compile); DeepSpeed
+        # only needs to be told it may run an optimizer it did not build.
+        "zero_allow_untested_optimizer": True,
+    }
+    if s.offload_optimizer:
+        # Offloaded optimizer state needs DeepSpeed's own CPU Adam (a compiled op).
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": sched.lr, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                            "weight_decay": sched.weight_decay}}
+    return config
+
+
+def setup(plan, model, ctx) -> base.Engine:
+    import deepspeed
+
+    s, t = plan.strategy, plan.training
+    if plan.schedule.nan_policy == "skip":
+        raise ShardfitError("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop; "
+                            "fp16 overflow steps are skipped by DeepSpeed's loss scaler anyway")
+    if t.optimizer != "adamw":
+        raise ShardfitError(f"optimizer '{t.optimizer}' is not supported with DeepSpeed in `shardfit train`: use adamw")
+    deepspeed.init_distributed(dist_backend=ctx.backend)
+    model, _ = base.prepare_model(plan, model)
+    config = ds_config(plan, ctx.world_size, ctx.device.type == "cuda")
+    kwargs = {}
+    if "optimizer" not in config:
+        kwargs["optimizer"] = base.build_optimizer(plan, base.trainable_params(model))
+    schedule = base.lr_lambda(plan)
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=base.trainable_params(model), config=config,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule), **kwargs)
+    stage = config["zero_optimization"]["stage"]
+
+    def forward_backward(batch: dict, last: bool):
+        loss = engine(**base.to_device(batch, engine.device)).loss
+        engine.backward(loss)  # divides by gradient_accumulation_steps itself
+        engine.step()  # an optimizer step only on the accumulation boundary
+        return loss.detach().float()
+
+    def step():
+        norm = engine.get_global_grad_norm()
+        stepped = not getattr(optimizer, "overflow", False)
+        return float(norm) if norm is not None else float("nan"), stepped
+
+    def zero_grad():
+        engine.zero_grad()
+
+    def save(directory: Path):
+        engine.save_checkpoint(str(Path(directory) / "deepspeed"), tag=TAG, save_latest=False)
+
+    def load(directory: Path):
+        if stage == 3 and "nvme" in (s.offload_optimizer, s.offload_params):
+            # NOTE: DeepSpeed writes empty swap folders for ZeRO-3 + NVMe: load_checkpoint would
+            # silently restore nothing. Refuse rather than resume from garbage.
+            raise ShardfitError("resuming ZeRO-3 with NVMe offload is not reliable in DeepSpeed: export the fp32 "
+                                "weights (`shardfit export`) and start a new run from them, or use cpu offload")
+        path, _ = engine.load_checkpoint(str(Path(directory) / "deepspeed"), tag=TAG, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise ShardfitError(f"no DeepSpeed checkpoint in {directory}: was it written by a zero strategy?")
+
+    @contextmanager
+    def inference():
+        was_training = engine.module.training
+        engine.module.eval()
+        try:
+            with torch.no_grad():
+                # ZeRO-3's forward hooks gather each block's parameters on every rank.
+                yield engine
+        finally:
+            engine.module.train(was_training)
+
+    def full_state():
+        inner = base.unwrap(engine.module)
+        skip = base.tied_duplicates(inner)
+        named = dict(inner.named_parameters())
+        for name, tensor in inner.state_dict(keep_vars=True).items():
+            if name in skip:
+                continue
+            if stage == 3 and name in named:
+                with deepspeed.zero.GatheredParameters([named[name]], modifier_rank=None):
+                    value = named[name].data.detach().cpu().clone() if ctx.is_main else None
+            else:
+                value = tensor.detach().cpu() if ctx.is_main else None
+            yield name, value
+
+    def extra_state():
+        return {}  # DeepSpeed's checkpoint holds the scheduler and the loss scaler
+
+    return base.Engine(kind=s.kind, plan=plan, ctx=ctx, model=engine, module=base.unwrap(engine.module),
+                       optimizer=optimizer, scheduler=scheduler, forward_backward=forward_backward, step=step,
+                       zero_grad=zero_grad, save=save, load=load, inference=inference, full_state=full_state,
+                       extra_state=extra_state)

@@ -1,0 +1,60 @@
+"""FSDP2: `fully_shard` on each block, then on the root; DTensor parameters sharded over a 1-D mesh,
+or over a 2-D (replicate, shard) mesh for HSDP. The optimizer is created after sharding so it holds
+the sharded parameters."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from shardfit.engines import base, native
+
+
+def setup(plan, model, ctx) -> base.Engine:
+    s = plan.strategy
+    model, blocks_cls = base.prepare_model(plan, model)
+    model = model.to(ctx.device)
+    low = base.low_precision_dtype(plan)
+    policy = MixedPrecisionPolicy()
+    if low is not None and plan.training.precision != "bf16-pure":
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    # NOTE: pinned memory needs CUDA; on CPU the policy must not pin.
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if s.offload_params else None
+    mesh = base.device_mesh(ctx, base.hybrid_group(plan, ctx))
+    kwargs = {"mesh": mesh, "mp_policy": policy}
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    for block in [m for m in model.modules() if isinstance(m, blocks_cls)]:
+        fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
+    # The root's parameters (embeddings, head) are needed right away by backward: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    params = base.trainable_params(model)
+    optimizer = base.build_optimizer(plan, params)
+    scheduler = base.build_scheduler(plan, optimizer)
+    scaler = None
+    if base.uses_scaler(plan):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler(ctx.device.type)
+
+    @contextmanager
+    def sync(enabled: bool):
+        # NOTE: FSDP2 has no no_sync(); it keeps unsharded gradients while sync is off and
+        # reduce-scatters them on the backward where sync is back on.
+        model.set_requires_gradient_sync(enabled)
+        yield
+
+    def clip(max_norm: float):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+
+    def full_state():
+        skip = base.tied_duplicates(base.unwrap(model))
+        for name, tensor in model.state_dict().items():
+            if name in skip:
+                continue
+            # One parameter at a time: all ranks all-gather it, rank 0 keeps a host copy.
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, (full.detach().cpu() if ctx.is_main else None)
+
+    return native.build_engine("fsdp2", plan, ctx, model, base.unwrap(model), optimizer, scheduler, scaler,
+                               sync, clip, full_state)

@@ -1,0 +1,99 @@
+"""The part DDP, FSDP and FSDP2 share: the micro-step, the optimizer step with clipping and loss
+scaling, and DCP checkpoints (sharded, resharding on load, so another world size can resume)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shardfit.engines.base import DistContext, Engine, to_device
+from shardfit.spec.plan import Plan
+
+
+def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimizer, scheduler, scaler,
+                 sync: Callable[[bool], object], clip: Callable[[float], torch.Tensor], full_state: Callable,
+                 autocast: Callable = None, dcp_options=None) -> Engine:
+    """sync(enabled) is a context manager that turns gradient synchronisation on or off for one
+    micro-batch; clip(max_norm) clips and returns the global gradient norm."""
+    accum = plan.training.grad_accum
+    grad_clip = plan.schedule.grad_clip
+
+    def forward_backward(batch: dict, last: bool):
+        with sync(last):
+            with (autocast() if autocast else _null()):
+                loss = model(**to_device(batch, ctx.device)).loss
+            scaled = loss.float() / accum
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        return loss.detach().float()
+
+    def step():
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        # NOTE: max_norm=inf still returns the norm for the log line without changing gradients.
+        norm = clip(grad_clip if grad_clip and grad_clip > 0 else float("inf"))
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        stepped = True
+        if scaler is not None:
+            before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            stepped = scaler.get_scale() >= before  # the scale drops exactly when the step was skipped
+        else:
+            optimizer.step()
+        if stepped:
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm, stepped
+
+    def zero_grad():
+        optimizer.zero_grad(set_to_none=True)
+
+    def save(directory: Path):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(model, optimizer, options=dcp_options)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(directory) / "dcp"))
+
+    def load(directory: Path):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(model, optimizer, options=dcp_options)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(Path(directory) / "dcp"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=dcp_options)
+
+    @contextmanager
+    def inference():
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), (autocast() if autocast else _null()):
+                yield model
+        finally:
+            model.train(was_training)
+
+    def extra_state():
+        state = {"scheduler": scheduler.state_dict()}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        return state
+
+    def load_extra_state(state):
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and "scaler" in state:
+            scaler.load_state_dict(state["scaler"])
+
+    return Engine(kind=kind, plan=plan, ctx=ctx, model=model, module=module, optimizer=optimizer,
+                  scheduler=scheduler, forward_backward=forward_backward, step=step, zero_grad=zero_grad,
+                  save=save, load=load, inference=inference, full_state=full_state,
+                  extra_state=extra_state, load_extra_state=load_extra_state)
+
+
+@contextmanager
+def _null():
+    yield

@@ -1,0 +1,274 @@
+"""Saved activations: the tensors autograd keeps from forward to backward, derived for the real block.
+
+Start: Korthikanti et al. 2022 (arXiv 2205.05198), sbh*(34 + 5as/h) for a GPT layer. Adapted by reading
+what HF transformers 5 blocks save (modeling_llama / mixtral / gpt2, integrations/sdpa_attention):
+- RMSNorm upcasts to fp32: pow() and mul() save the fp32 input; the weight mul saves the normalised
+  tensor (only when the weight trains). LayerNorm saves its input plus mean and rstd.
+- A linear saves its input only when its weight trains (frozen LoRA bases do not); PEFT's LoRA
+  saves a copy of the input cast to the fp32 adapter dtype plus the r-wide A output.
+- SDPA/flash saves q, k, v (k/v at the KV-head width: HF passes enable_gqa), the output and an fp32
+  logsumexp per head and row; the transposed output reuses the same storage. Eager attention saves
+  q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy (b*a*s^2 each), and a
+  contiguous copy of the output.
+- SwiGLU saves gate, silu(gate), up and their product; GPT-2's gelu_new is composite and saves four
+  intermediates; MoE saves, per routed token, the gathered input, gate_up, act, product and expert
+  output, plus the fp32 router softmax.
+- Under DDP autocast the residual stream stays fp32 and each linear saves its own 16-bit cast.
+Bytes are per token (b*s) unless named per position; `quad` terms multiply by s once more.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from shardfit.estimate.states import DTYPE_BYTES
+from shardfit.estimate.states import block_linears as _linears
+
+# regime: "fp32" (4-byte everything), "half" (module params 16-bit: FSDP MixedPrecision, DeepSpeed,
+# pure bf16, LoRA on a 16-bit base), "autocast" (fp32 params under torch.autocast: DDP mixed).
+
+
+class Profile:
+    """Per-token activation coefficients for one (model, regime, attention, LoRA) combination."""
+    __slots__ = ("block", "block_quad", "block_items", "head", "head_items", "ckpt_input", "logits_live",
+                 "loss_fwd_temp", "loss_bwd_temp", "bwd_work", "bwd_work_quad", "attn_fwd_temp_quad",
+                 "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "first_block_discount")
+
+
+def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda") -> Profile:
+    key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
+    return _profile(model, regime, attention, key_lora, device)
+
+
+@lru_cache(maxsize=512)
+def _profile(model, regime, attention, lora, device) -> Profile:
+    h, heads = model.hidden_size, max(model.num_heads, 1)
+    kv_heads = model.num_kv_heads or heads
+    hd = model.head_dim or h // heads
+    qd, kvd = heads * hd, kv_heads * hd
+    inter = model.intermediate_size or 4 * h
+    vocab = model.vocab_size
+    d = 4 if regime == "fp32" else 2  # matmul outputs
+    res = 2 if regime == "half" else 4  # residual stream
+    trains = lora is None
+    targets = set() if lora is None else set(lora[1])
+    rank = 0 if lora is None else lora[0]
+    all_linear = "all-linear" in targets
+    drop = model.dropout > 0
+    if model.family == "gemma2":
+        attention = "eager"  # transformers has no SDPA path for Gemma-2 (logit softcapping)
+    # Dropout masks: CUDA's fused kernel keeps a bool mask; the CPU kernel a mask in the input dtype.
+    mask = 1 if device == "cuda" else d
+    mask_res = 1 if device == "cuda" else res
+    layernorm = model.norm == "layernorm"
+    items: list[tuple[str, float, float]] = []
+
+    def add(label, per_token, quad=0.0):
+        if per_token or quad:
+            items.append((label, per_token, quad))
+
+    def norm(prefix):
+        """The norm's own saves; returns the dtype bytes of its output."""
+        if layernorm:
+            # native_layer_norm saves its input (the residual itself), mean and rstd (fp32).
+            add(f"{prefix}.input", res * h)
+            # CUDA keeps mean/rstd in fp32; the CPU kernel in the input dtype.
+            add(f"{prefix}.mean_rstd", 8 if device == "cuda" else 2 * (4 if regime == "autocast" else res))
+            return 4 if regime == "autocast" else d
+        if regime == "half":
+            add(f"{prefix}.input_fp32_copy", 4 * h)
+        else:
+            add(f"{prefix}.input", 4 * h)
+        add(f"{prefix}.rsqrt", 4)
+        if trains:
+            # Gemma's norm multiplies by (1 + weight) in fp32; Llama's casts back first.
+            add(f"{prefix}.normed", (2 if regime == "half" and family != "gemma2" else 4) * h)
+        return 4 if regime == "autocast" else d
+
+    def consumed(label, width, dtype, consumers, already_saved=False):
+        """Bytes a tensor costs through the linears that read it."""
+        shared = already_saved
+        for name in consumers:
+            targeted = all_linear or name in targets
+            if trains:
+                if regime == "autocast" and dtype == 4:
+                    add(f"{label}.bf16_cast_for_{name}", 2 * width)
+                else:
+                    shared = True
+            elif targeted:
+                if dtype == 4:
+                    shared = True
+                else:
+                    add(f"{label}.fp32_cast_for_lora_{name}", 4 * width)
+                add(f"{name}.lora_A_out", 4 * rank)
+        if shared and not already_saved:
+            add(label, dtype * width)
+
+    family = model.family
+    # Attention half.
+    out_dtype = norm("input_norm")
+    gpt_like = family in ("gpt2", "bert")
+    # SDPA runs a fused kernel (flash / memory-efficient) except on CPU with attention dropout, where
+    # it falls back to the math path that materialises the scores like eager attention does.
+    fused = attention == "sdpa" and not (device == "cpu" and drop)
+    if gpt_like:
+        names = ["c_attn"] if family == "gpt2" else ["query", "key", "value"]
+        consumed("ln_1.out" if family == "gpt2" else "block.input", h, out_dtype, names)
+        if fused:
+            add("attn.qkv", d * (qd + 2 * kvd))  # q, k, v are views of one projection output
+        elif attention == "eager":
+            add("attn.qkv_bmm_copies", d * 3 * qd)  # matmul reshapes the strided views into copies
+    else:
+        consumed("input_norm.out", h, out_dtype, ["q_proj", "k_proj", "v_proj"])
+        if fused or attention == "eager":
+            add("attn.q_rope", d * qd)
+            kv_width = kvd if fused else qd  # eager repeat_kv copies k/v to every head
+            add("attn.k_rope", d * kv_width)
+            add("attn.v", d * kv_width)
+    o_name = {"gpt2": "c_proj", "bert": "dense"}.get(family, "o_proj")
+    if fused:
+        add("attn.output", d * qd)
+        add("attn.logsumexp", 4 * heads)
+        consumed("attn.output", qd, d, [o_name], already_saved=True)
+    elif attention == "sdpa":
+        # CPU math path with dropout: q, k, v, scores, mask and dropped probabilities, all in fp32.
+        add("attn.math_qkv_fp32", 4 * 3 * qd)
+        add("attn.math_softmax_mask_dropped", 0, 3 * 4 * heads)
+        add("attn.output_contiguous", d * qd)
+        consumed("attn.output_contiguous", qd, d, [o_name], already_saved=True)
+    else:
+        if family == "gemma2":
+            add("attn.softcap_tanh", 0, d * heads)
+        # HF's Llama-family eager softmax is fp32; GPT-2/BERT's follows the input (fp32 under autocast).
+        soft = 4 if (not gpt_like or regime == "autocast") else d
+        add("attn.softmax", 0, soft * heads)
+        if drop:
+            add("attn.dropout_mask", 0, mask * heads)
+            add("attn.dropout_out", 0, d * heads)
+        elif soft != d:
+            add("attn.probs_cast", 0, d * heads)
+        add("attn.output_contiguous", d * qd)
+        consumed("attn.output_contiguous", qd, d, [o_name], already_saved=True)
+    if drop:
+        add("attn.resid_dropout_mask", mask * h)
+    if family == "bert":
+        add("attn.dense_dropout_ln_input", res * h)
+    # MLP half.
+    if family == "gemma2":
+        norm("post_attention_norm")
+        norm("pre_feedforward_norm")
+        out_dtype = d if regime != "autocast" else 4
+    else:
+        out_dtype = norm("post_attention_norm")
+    if model.num_experts:
+        k, experts = max(model.experts_per_token, 1), model.num_experts
+        consumed("post_norm.out", h, out_dtype, ["router"])
+        add("moe.router_softmax", 4 * experts)
+        add("moe.topk_index_values_sum", 12 * k + 4)
+        # Experts take the gathered residual-dtype input; autocast leaves them in fp32 (not a linear).
+        ed = 4 if regime == "autocast" else d
+        if trains:
+            add("moe.expert_input_gather", k * ed * h)
+        add("moe.gate_up", k * ed * 2 * inter)
+        add("moe.act", k * ed * inter)
+        if trains:
+            add("moe.act_x_up", k * ed * inter)
+        add("moe.expert_out", k * ed * h)
+        add("moe.routing_weights", 4 * k)
+        add("moe.sort_and_scatter_index", 24 * k)
+    elif model.mlp == "gelu":
+        up = "c_fc" if family == "gpt2" else "dense"
+        down = "c_proj" if family == "gpt2" else "dense"
+        consumed("post_norm.out", h, out_dtype, [up])
+        add("mlp.fc_out", d * inter)
+        if family == "gpt2":
+            add("mlp.gelu_new_intermediates", 3 * d * inter)  # tanh out, 0.5*x, 1+tanh
+        consumed("mlp.act_out", inter, d, [down])
+    else:
+        consumed("post_norm.out", h, out_dtype, ["gate_proj", "up_proj"])
+        add("mlp.gate", d * inter)
+        add("mlp.act", d * inter)
+        add("mlp.up", d * inter)
+        consumed("mlp.act_x_up", inter, d, ["down_proj"])
+    if family == "gemma2":
+        norm("post_feedforward_norm")
+    if drop:
+        add("mlp.resid_dropout_mask", mask * h)
+    if family == "bert":
+        add("mlp.ln_input", res * h)
+
+    block = sum(i[1] for i in items)
+    block_quad = sum(i[2] for i in items)
+
+    # Head: final norm, logits, loss; embedding indices; rotary tables per position.
+    head_items: list[tuple[str, float, float]] = []
+    block_items = tuple(items)
+    items = head_items
+    if family != "bert":
+        out_dtype = norm("final_norm")
+        consumed("final_norm.out", h, out_dtype, ["lm_head"])
+    if trains:
+        add("embedding.input_ids", 8)
+    if drop:
+        add("embedding.dropout_mask", mask_res * h)
+    if family == "gemma2":
+        add("logits.softcap_tanh", d * vocab)
+    add("loss.log_softmax_fp32", 4 * vocab)
+    add("loss.shifted_labels", 8)
+    head = sum(i[1] for i in head_items)
+
+    p = Profile()
+    p.block, p.block_quad, p.block_items = block, block_quad, block_items
+    p.head, p.head_items = head, tuple(head_items)
+    p.ckpt_input = res * h
+    p.logits_live = d * vocab
+    p.loss_fwd_temp = 4 * vocab if d != 4 else 0
+    p.loss_bwd_temp = 8 * vocab
+    # One block's backward working set: grads of the residual stream and of the widest intermediates.
+    width = max(inter * (max(model.experts_per_token, 1) if model.num_experts else 1), qd + 2 * kvd)
+    p.bwd_work = 2 * res * h + 2 * d * width
+    p.bwd_work_quad = (4 + d) * heads if attention == "eager" else 0
+    p.attn_fwd_temp_quad = 2 * d * heads if attention == "eager" else 0
+    # Rotary cos/sin (1, s, head_dim) in the hidden dtype; GPT-2's position ids (1, s) int64.
+    p.per_position = 2 * hd * res if family not in ("gpt2", "bert") else 8
+    # torch.autocast caches a 16-bit copy of every trainable weight it casts, and each linear saves it
+    # for backward: a 16-bit copy of the model lives from forward to backward (not of checkpointed blocks).
+    autocast_copies = regime == "autocast" and trains
+    block_weights = sum(i * o * n for name, i, o, n in _linears(model)
+                        if not (model.num_experts and name in ("gate_proj", "up_proj", "down_proj")))
+    block_weights += h * model.num_experts  # the router
+    p.weight_copies = 2 * block_weights if autocast_copies else 0
+    p.head_weight_copy = 2 * vocab * h if autocast_copies else 0
+    if family == "gemma2" and trains:
+        # Gemma's norms save (1 + weight) in fp32: four per block, one final.
+        p.weight_copies += 4 * 4 * h
+        p.head_weight_copy += 4 * h
+    # LoRA freezes the embedding: block 0's input needs no grad, so its first norm saves nothing.
+    own = ("input_norm.input", "input_norm.input_fp32_copy", "input_norm.rsqrt", "input_norm.mean_rstd")
+    p.first_block_discount = sum(per for label, per, _ in block_items if label in own) if lora else 0
+    if lora is not None and lora[2] in ("nf4", "int8"):
+        # bitsandbytes dequantizes one weight to 16-bit for each matmul (forward and backward).
+        p.dequant_temp = 2 * max(h * max(qd, inter), 1)
+    else:
+        p.dequant_temp = 0
+    return p
+
+
+def checkpointed_blocks(num_layers: int, every: int) -> int:
+    """Blocks wrapped by activation checkpointing: every N-th block (0 = none, 1 = all)."""
+    if every <= 0:
+        return 0
+    return (num_layers + every - 1) // every
+
+
+def saved_activation_bytes(profile: Profile, tokens: int, seq: int, num_layers: int, checkpointed: int) -> tuple:
+    # Source: Korthikanti et al. 2022 sec. 4 (full recompute keeps the block input), adapted per block.
+    per_block = profile.block * tokens + profile.block_quad * tokens * seq
+    blocks = (num_layers - checkpointed) * (per_block + profile.weight_copies) + checkpointed * profile.ckpt_input * tokens
+    if not checkpointed:
+        blocks -= profile.first_block_discount * tokens
+    head = (profile.head * tokens + profile.per_position * seq + profile.logits_live * tokens
+            + profile.head_weight_copy)
+    return int(blocks), int(head), int(per_block)
+
+
+__all__ = ["Profile", "activation_profile", "checkpointed_blocks", "saved_activation_bytes", "DTYPE_BYTES"]

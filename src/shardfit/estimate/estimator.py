@@ -1,0 +1,358 @@
+"""estimate(plan) -> Estimate: per-rank bytes by phase and category, composed from the term functions
+in states.py, activations.py, temporaries.py and overhead.py.
+
+Accounting modes:
+- "real" (default): what the engines really allocate (fp32 master/grad partitions, buckets, gathered
+  units, DeepSpeed's persistent buffers, the loss upcast, CUDA context...).
+- "ideal": the ZeRO paper's model-state formulas (2P + 2P + K*P/N ...), no buffers, no overhead.
+- "deepspeed": DeepSpeed's own estimator functions for zero2/zero3 (ideal for the other strategies).
+
+Hot path: with explain=False nothing but integers is built, so `fit` can evaluate tens of thousands
+of plans per second. explain=True also records every Term with its formula, inputs and source.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from shardfit.errors import ShardfitError
+from shardfit.estimate import activations as act
+from shardfit.estimate import overhead as ovh
+from shardfit.estimate import states as sts
+from shardfit.estimate import temporaries as tmp
+from shardfit.estimate.deepspeed_reference import zero2_model_states, zero3_model_states
+from shardfit.estimate.result import Estimate, Term
+
+ACCOUNTING = ("real", "ideal", "deepspeed")
+CHECKPOINT_MODES = ("sharded", "full")
+DEVICES = ("cuda", "cpu")
+
+
+@lru_cache(maxsize=64)
+def _every(text: str) -> int:
+    from shardfit.spec.plan import parse_activation_checkpointing
+    return parse_activation_checkpointing(text)
+
+
+@lru_cache(maxsize=512)
+def _model_facts(model, lora_key):
+    """Trained params, frozen-base bytes and Adafactor's factored ratio: fixed for a model + LoRA."""
+    if lora_key is None:
+        return model.n_params, 0, sts.adafactor_ratio(model)
+    rank, targets, base_dtype = lora_key
+    unknown = sts.lora_unknown_targets(model, targets)
+    if unknown:
+        names = sorted({name for name, *_ in sts.block_linears(model)})
+        raise ShardfitError(f"LoRA target '{unknown[0]}' is not a linear of {model.name}: use some of {', '.join(names)} or all-linear")
+    trained = sts.lora_adapter_params(model, rank, targets)
+    return trained, sts.frozen_base_bytes(model, base_dtype), 1.0
+
+
+def _regime(precision: str, kind: str, lora) -> str:
+    if precision == "fp32":
+        return "fp32"
+    if precision == "bf16-pure" or kind != "ddp" or (lora is not None and lora.base_dtype != "fp32"):
+        return "half"
+    return "autocast"
+
+
+def shard_degree(plan) -> int:
+    """Ranks that share one copy of the sharded states."""
+    s, c = plan.strategy, plan.cluster
+    world = c.nodes * c.gpus_per_node
+    if s.kind == "ddp":
+        return 1
+    if s.kind == "fsdp":
+        if s.sharding == "no_shard":
+            return 1
+        if s.sharding == "hybrid_shard":
+            return s.shard_group_size or c.gpus_per_node
+        return world
+    if s.kind == "fsdp2":
+        return s.shard_group_size or world
+    return world
+
+
+def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint: str = "sharded",
+             explain: bool = False) -> Estimate:
+    """Per-rank device bytes by phase and category for a (validated) plan."""
+    if accounting not in ACCOUNTING:
+        raise ShardfitError(f"accounting '{accounting}' is not known: use one of {', '.join(ACCOUNTING)}")
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ShardfitError(f"checkpoint '{checkpoint}' is not known: use sharded or full")
+    model, s, t, c = plan.model, plan.strategy, plan.training, plan.cluster
+    kind, precision, optimizer, lora = s.kind, t.precision, t.optimizer, t.lora
+    world = c.nodes * c.gpus_per_node
+    shard = shard_degree(plan)
+    lora_key = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
+    trained, frozen_bytes, factored = _model_facts(model, lora_key)
+    terms: list | None = [] if explain else None
+    notes: list | None = [] if explain else None
+
+    def term(name, value, formula, inputs, source):
+        terms.append(Term(name=name, bytes=int(value), formula=formula, inputs=inputs, source=source))
+
+    # ---- activations (shared by every accounting mode) ----
+    tokens, seq = t.micro_batch * t.seq_len, t.seq_len
+    regime = _regime(precision, kind, lora)
+    if model.has_shape:
+        prof = act.activation_profile(model, regime, t.attention, lora, device)
+        every = _every(t.activation_checkpointing)
+        n_ckpt = act.checkpointed_blocks(model.num_layers, every)
+        a_blocks, a_head, a_block = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, n_ckpt)
+        a_logits = int(prof.logits_live * tokens)
+        loss_fwd = tmp.loss_forward_bytes(tokens, prof.loss_fwd_temp)
+        attn_fwd = int(prof.attn_fwd_temp_quad * tokens * seq)
+        loss_bwd = tmp.loss_backward_bytes(tokens, prof.loss_bwd_temp)
+        bwd_work = tmp.activation_grad_bytes(tokens, seq, prof.bwd_work, prof.bwd_work_quad)
+        recompute = a_block if n_ckpt else 0
+        dequant = prof.dequant_temp
+    else:
+        prof = None
+        n_ckpt = a_blocks = a_head = a_block = a_logits = loss_fwd = attn_fwd = loss_bwd = bwd_work = 0
+        recompute = dequant = 0
+    if explain and prof is not None:
+        term("activations.block", a_block, "b*s*sum(block tensors) + b*s^2*sum(quadratic tensors)",
+             {"b": t.micro_batch, "s": seq, "regime": regime, "attention": t.attention,
+              "per_token": prof.block, "per_token_per_s": prof.block_quad,
+              "tensors": {label: [per, quad] for label, per, quad in prof.block_items}},
+             "Korthikanti et al. 2022 adapted to the HF block (see activations.py)")
+        term("activations.blocks", a_blocks, "(L - n_ckpt)*block + n_ckpt*b*s*ckpt_input",
+             {"L": model.num_layers, "n_ckpt": n_ckpt, "ckpt_input_per_token": prof.ckpt_input},
+             "full recompute keeps only the block input (Korthikanti et al. sec. 5)")
+        term("activations.head", a_head, "b*s*(final norm + log_softmax fp32 + labels + logits) + rotary",
+             {"per_token": prof.head, "logits_per_token": prof.logits_live,
+              "tensors": {label: per for label, per, _ in prof.head_items}},
+             "transformers ForCausalLMLoss: logits kept by the model output, fp32 log_softmax saved")
+        term("temporaries.loss_upcast", loss_fwd, "b*s*V*4 when logits are 16-bit",
+             {"V": model.vocab_size, "tokens": tokens}, "ForCausalLMLoss logits.float()")
+        term("temporaries.loss_backward", loss_bwd, "2 * b*s*V*4", {"V": model.vocab_size, "tokens": tokens},
+             "nll_loss and log_softmax gradients in fp32")
+        term("temporaries.activation_grads", bwd_work, "b*s*(2*res*h + 2*d*max(I, q+2kv)) (+ eager s^2 grads)",
+             {"per_token": prof.bwd_work, "per_token_per_s": prof.bwd_work_quad},
+             "one block's backward working set")
+    elif explain:
+        notes.append("no model shapes (--params): activations are not counted")
+
+    # ---- model states and buffers ----
+    gather_bytes = 2 if precision != "fp32" else 4
+    unit = model.block_params or model.largest_layer_params or model.n_params
+    root = model.non_block_params if model.block_params else 0
+    largest = model.largest_layer_params or unit
+    if lora is not None and model.n_params:
+        gather_bytes = frozen_bytes / model.n_params if frozen_bytes else gather_bytes
+    lp = 4 if precision == "fp32" else 2
+    host: dict[str, int] = {}
+    nvme = 0
+    persist_t = fwd_t = bwd_t = opt_t = ckpt_t = 0
+    grads_persist = grads_full = grads_step = 0
+    use_ds = accounting == "deepspeed" and kind in ("zero2", "zero3")
+    if accounting == "ideal" or (accounting == "deepspeed" and not use_ds):
+        stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}.get(kind, 3)
+        if kind == "fsdp" and s.sharding == "shard_grad_op":
+            stage = 2
+        if kind == "fsdp" and s.sharding == "no_shard":
+            stage = 0
+        params, grads_full, opt, k = sts.ideal_states(stage, shard if stage else 1, precision, optimizer,
+                                                      trained, factored)
+        params += int(frozen_bytes / (shard if stage >= 3 else 1))
+        if s.offload_optimizer or (s.offload_params and kind in ("fsdp", "fsdp2")):
+            host["offloaded_optimizer"] = opt
+            opt = 0
+        grads_persist = grads_full
+        if explain:
+            term("ideal.model_states", params + grads_full + opt,
+                 "params 2P(/N at stage 3) + grads 2P(/N at stage>=2) + K*P(/N at stage>=1)",
+                 {"stage": stage, "N": shard, "P": trained, "K": k, "lp": lp},
+                 "ZeRO paper (Rajbhandari et al. 2020) sec. 5, Figure 1")
+            notes.append(f"ideal accounting: ZeRO stage {stage} formulas; no buffers, no runtime overhead")
+    elif use_ds:
+        n = model.n_params
+        per_node = c.gpus_per_node
+        if kind == "zero2":
+            cpu_mem, gpu_mem = zero2_model_states(n, per_node, c.nodes, cpu_offload=bool(s.offload_optimizer))
+            params, temps = 2 * n, 0
+        else:
+            cpu_mem, gpu_mem, temps = zero3_model_states(n, largest, per_node, c.nodes,
+                                                         cpu_offload=bool(s.offload_optimizer),
+                                                         cpu_offload_params=bool(s.offload_params))
+            params = int(2 * n / world) if (s.offload_optimizer and not s.offload_params) else 0
+        opt = 0 if s.offload_optimizer else int(12 * n / world)
+        grads_full = gpu_mem - params - temps - opt
+        grads_persist = grads_full
+        persist_t = temps
+        fwd_t = bwd_t = opt_t = ckpt_t = temps
+        host["deepspeed_estimate"] = int(cpu_mem / per_node)
+        a_blocks = a_head = a_block = a_logits = loss_fwd = attn_fwd = loss_bwd = bwd_work = recompute = 0
+        if explain:
+            term("deepspeed.model_states", gpu_mem,
+                 "zero2: 2P + 18P/N; zero3: 4*largest + 18P/N (offload: 2P/N or 0)",
+                 {"P": n, "largest_layer": largest, "gpus_per_node": per_node, "nodes": c.nodes,
+                  "offload_optimizer": s.offload_optimizer, "offload_params": s.offload_params},
+                 "DeepSpeed estimate_zero{2,3}_model_states_mem_needs")
+            term("deepspeed.cpu_per_node", cpu_mem, "DeepSpeed's cpu figure (1.5 buffer factor)", {}, "DeepSpeed")
+            notes.append("deepspeed accounting: DeepSpeed's own estimator (no activations, buckets or overhead)")
+    else:
+        persistent = sts.zero3_persistent_params(model, s.param_persistence_threshold) if kind == "zero3" else 0
+        engine = "fsdp" if kind in ("fsdp", "fsdp2") else kind
+        st = sts.model_states(engine, shard, world, precision, optimizer, trained, frozen_bytes, factored,
+                              s.offload_optimizer, s.offload_params, persistent, largest, explain)
+        params, opt = st.params, st.optimizer
+        grads_persist, grads_full, grads_step = st.grads_persistent, st.grads_full, st.grads_step
+        host.update(st.host)
+        nvme = st.nvme
+        if explain:
+            for name, value, formula, inputs, source in st.terms:
+                term(f"states.{name}", value, formula, inputs, source)
+        foreach = device == "cuda"
+        if kind in ("fsdp", "fsdp2"):
+            reshard = (s.sharding != "shard_grad_op") if kind == "fsdp" else s.reshard_after_forward
+            root_b = tmp.root_unit_bytes(root, gather_bytes)
+            if kind == "fsdp" and s.sharding == "no_shard" and precision == "fp32":
+                units_b = 0  # no gather, no low-precision copy: the full fp32 params are used in place
+            elif reshard:
+                units_b = tmp.gathered_unit_bytes(unit, gather_bytes, 2)
+            else:
+                units_b = tmp.all_units_gathered_bytes(model.n_params - root, gather_bytes)
+            grad_b = tmp.unsharded_grad_bytes(unit, gather_bytes)
+            root_grad_b = tmp.unsharded_grad_bytes(root, gather_bytes)
+            rs_b = tmp.reduce_scatter_bytes(unit, shard, lp, st.state_bytes)
+            fwd_t = root_b + units_b
+            bwd_t = root_b + units_b + grad_b + root_grad_b + rs_b
+            opt_t = tmp.optimizer_step_temp_bytes(optimizer, foreach, st.trained_per_rank, st.state_bytes, largest // shard + 1)
+            ckpt_t = tmp.checkpoint_save_bytes(checkpoint, max(unit, root), st.state_bytes)
+            if explain:
+                term("temporaries.fsdp_root_unit", root_b, "non_block_params*gather_bytes",
+                     {"non_block_params": root, "gather_bytes": gather_bytes},
+                     "FSDP keeps the root (embeddings, head) gathered from forward to backward")
+                term("temporaries.fsdp_gathered_units", units_b,
+                     "2*unit*gather_bytes" if reshard else "(P - root)*gather_bytes",
+                     {"unit": unit, "gather_bytes": gather_bytes, "reshard_after_forward": reshard},
+                     "FSDP all-gather of the current unit plus the prefetched one")
+                term("temporaries.fsdp_unsharded_grads", grad_b + root_grad_b, "(unit + root)*gather_bytes",
+                     {"unit": unit, "root": root}, "FSDP backward: full grads before reduce-scatter")
+                term("temporaries.fsdp_reduce_scatter", rs_b, "unit/S*(reduce + sharded grad bytes)",
+                     {"unit": unit, "S": shard}, "FSDP reduce-scatter output and its cast")
+                if s.offload_params:
+                    notes.append("FSDP CPU offload: sharded params, grads and optimizer live in pinned host RAM; the step runs on CPU")
+        elif kind == "ddp":
+            bucket = tmp.ddp_bucket_bytes(st.grads_full, bucket_view=True)
+            persist_t = bucket
+            opt_t = tmp.optimizer_step_temp_bytes(optimizer, foreach, st.trained_per_rank, st.state_bytes, largest)
+            if explain:
+                notes.append("DDP with gradient_as_bucket_view=True: grads are views into the reducer's "
+                             f"{s.ddp_bucket_cap_mb:g} MiB buckets and stay allocated between steps")
+        else:
+            part = trained / world
+            if kind == "zero3":
+                bucket = tmp.zero3_ipg_bucket_bytes(s.reduce_bucket_size, lp)
+                live = tmp.zero3_live_param_bytes(largest, s.prefetch_bucket_size, s.max_live_parameters, lp)
+                mod_grad = tmp.zero3_module_grad_bytes(largest, lp)
+                persist_t = bucket
+                fwd_t = bucket + live
+                bwd_t = bucket + live + mod_grad
+                if explain:
+                    term("temporaries.zero3_ipg_bucket", bucket, "reduce_bucket_size*lp",
+                         {"reduce_bucket_size": s.reduce_bucket_size, "lp": lp}, "deepspeed stage3.py __init__")
+                    term("temporaries.zero3_live_params", live, "min(largest + prefetch_bucket, max_live)*lp",
+                         {"largest": largest, "prefetch_bucket_size": s.prefetch_bucket_size,
+                          "max_live_parameters": s.max_live_parameters, "lp": lp},
+                         "deepspeed PartitionedParameterCoordinator")
+                    term("temporaries.zero3_module_grad", mod_grad, "largest*lp", {"largest": largest},
+                         "full 16-bit grad of the gathered module")
+            else:
+                bucket = tmp.zero12_ipg_bucket_bytes(s.reduce_bucket_size, lp, s.overlap_comm)
+                flat = tmp.zero_step_flatten_bytes(part, lp) if not s.offload_optimizer else 0
+                bwd_t = bucket
+                opt_t = flat
+                if s.offload_optimizer:
+                    gbuf = tmp.zero_offload_grad_buffer_bytes(largest, lp)
+                    persist_t = gbuf
+                    host["offload_grad_buffer_pinned"] = int(largest * 4)
+                    if explain:
+                        term("temporaries.zero_offload_grad_buffer", gbuf, "largest_param*lp",
+                             {"largest_param": largest}, "stage_1_and_2.py temp_grad_buffer_for_gpu_offload")
+                if explain:
+                    term("temporaries.zero_ipg_buckets", bucket, "reduce_bucket_size*lp*(2 if overlap_comm)",
+                         {"reduce_bucket_size": s.reduce_bucket_size, "lp": lp, "overlap_comm": s.overlap_comm},
+                         "deepspeed stage_1_and_2.py setup_buckets()")
+                    term("temporaries.zero_step_flatten", flat, "T/N*lp", {"T": trained, "N": world},
+                         "stage_1_and_2.py step(): flattened 16-bit gradient partition")
+            fwd_t = max(fwd_t, persist_t)
+            bwd_t = max(bwd_t, persist_t) if kind == "zero3" else bwd_t + persist_t
+            opt_t += persist_t
+            ckpt_t = persist_t
+        if explain and opt_t:
+            term("temporaries.optimizer_step", opt_t - (persist_t if kind.startswith("zero") else 0),
+                 "foreach AdamW: trained_on_rank*state_bytes; single-tensor: 2*largest*state_bytes",
+                 {"optimizer": optimizer, "foreach": foreach, "trained_on_rank": st.trained_per_rank},
+                 "torch.optim _multi_tensor_adamw / _single_tensor_adamw; DeepSpeed step buffers")
+        if dequant:
+            fwd_t += dequant
+            bwd_t += dequant
+            if explain:
+                term("temporaries.qlora_dequant", dequant, "2*h*max(q, I)", {},
+                     "bitsandbytes dequantizes one 4/8-bit weight to 16-bit per matmul")
+    if checkpoint == "full":
+        host["checkpoint_consolidation"] = int(model.n_params * (4 + sts.optimizer_state_bytes_per_param(
+            optimizer, 4, factored))) if lora is None else int(trained * 16 + frozen_bytes)
+    # ---- phases ----
+    base = params + opt
+    if t.grad_accum > 1:
+        # Gradients accumulate across micro-steps: the next forward runs with them allocated.
+        grads_persist = max(grads_persist, grads_full)
+    fwd_extra = max(loss_fwd, attn_fwd)
+    forward = {"params": params, "grads": grads_persist, "optimizer": opt,
+               "activations": a_blocks + a_head, "temporaries": fwd_t + fwd_extra}
+    # Backward peaks at its start (all activations + loss grads), inside the last block (a recomputed
+    # block + its working set) or at its end (all grads); each is a candidate, the largest wins.
+    acts_b, grads_b, temps_b = a_blocks + a_head, grads_persist, bwd_t + loss_bwd
+    inside = (a_blocks + a_logits + recompute, grads_persist, bwd_t + bwd_work)
+    if inside[0] + inside[1] + inside[2] > acts_b + grads_b + temps_b:
+        acts_b, grads_b, temps_b = inside
+    if a_logits + grads_full + bwd_t > acts_b + grads_b + temps_b:
+        acts_b, grads_b, temps_b = a_logits, grads_full, bwd_t
+    backward = {"params": params, "grads": grads_b, "optimizer": opt, "activations": acts_b, "temporaries": temps_b}
+    phases = {
+        "load": {"params": params, "grads": grads_persist, "optimizer": opt, "activations": 0, "temporaries": persist_t},
+        "forward": forward,
+        "backward": backward,
+        "optimizer": {"params": params, "grads": grads_full + grads_step, "optimizer": opt, "activations": 0,
+                      "temporaries": opt_t},
+        "checkpoint": {"params": params, "grads": grads_persist, "optimizer": opt, "activations": 0,
+                       "temporaries": ckpt_t},
+    }
+    states_sum = params + opt
+    peak = states_sum + max(grads_persist + persist_t, grads_persist + a_blocks + a_head + fwd_t + fwd_extra,
+                            grads_b + acts_b + temps_b, grads_full + grads_step + opt_t, grads_persist + ckpt_t)
+    if device == "cuda" and accounting == "real":
+        hybrid = shard not in (1, world)
+        overhead = {"cuda_context": ovh.cuda_context_bytes(),
+                    "nccl": ovh.nccl_buffer_bytes(world, c.nodes, 2 if hybrid else 1),
+                    "allocator_margin": ovh.allocator_margin_bytes(peak)}
+    else:
+        overhead = {"cuda_context": 0, "nccl": 0, "allocator_margin": 0}
+    if explain:
+        term("overhead.cuda_context", overhead["cuda_context"], "constant", {}, "CUDA context + cuBLAS workspace")
+        term("overhead.nccl", overhead["nccl"], "per communicator (more across nodes)",
+             {"world": world, "nodes": c.nodes}, "NCCL channel buffers")
+        term("overhead.allocator_margin", overhead["allocator_margin"], f"{ovh.ALLOCATOR_MARGIN:g} * tensor peak",
+             {"tensor_peak": peak}, "caching-allocator fragmentation")
+        notes.extend(_assumptions(plan, regime, shard, accounting, device, checkpoint, base))
+    return Estimate(strategy=s.label, phases=phases, overhead=overhead, host=host, nvme_bytes=int(nvme),
+                    terms=tuple(terms) if explain else (), assumptions=tuple(notes) if explain else ())
+
+
+def _assumptions(plan, regime, shard, accounting, device, checkpoint, base) -> list[str]:
+    s, t = plan.strategy, plan.training
+    out = [f"per rank; {plan.cluster.nodes}x{plan.cluster.gpus_per_node} ranks; states sharded over {shard}",
+           f"activation dtype regime '{regime}' ({t.precision}, {s.kind})",
+           f"micro-batch {t.micro_batch} x seq {t.seq_len}, activation checkpointing {t.activation_checkpointing}, "
+           f"attention {t.attention}",
+           f"checkpoint save: {checkpoint}; device: {device}; accounting: {accounting}",
+           "the training loop keeps the model output (logits) alive until backward ends"]
+    if t.lora is not None:
+        out.append(f"LoRA r={t.lora.rank} on {','.join(t.lora.target_modules)}: adapters fp32, base "
+                   f"{t.lora.base_dtype} frozen")
+    if s.kind in ("zero1", "zero2", "zero3"):
+        out.append("DeepSpeed: 16-bit params + fp32 master + fp32 grad partition at step; FusedAdam (no step scratch)")
+    return out

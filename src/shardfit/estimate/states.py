@@ -1,0 +1,230 @@
+"""Model states per rank: parameters, gradients and optimizer state, as each engine really keeps them.
+
+Every function is pure and counts one thing. `model_states` composes them for a strategy and says
+where each byte lives (device, host RAM, NVMe) and when it exists (always, only after backward, only
+during the optimizer step). Bytes are per rank.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+# Bytes per element of the dtypes a plan can name. nf4 is 4 bits; its block constants are separate.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "nf4": 0.5}
+
+# LoRA target names -> (input dim, output dim, copies per block) from the ModelSpec's shapes.
+# The GPT-2 names are Conv1D modules; `c_proj` exists twice in a GPT-2 block (attention and MLP).
+LORA_TARGET_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                     "c_attn", "c_proj", "c_fc", "query", "key", "value", "dense", "all-linear")
+
+# DeepSpeed's default sub_group_size (elements): the fp32 gradient of one sub-group exists at step.
+ZERO3_SUB_GROUP_SIZE = 1_000_000_000
+
+
+def block_linears(model) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, in, out, copies) for the linear layers of one block, from the spec's shapes."""
+    return _block_linears(model.family, model.hidden_size, model.num_heads, model.num_kv_heads,
+                          model.head_dim, model.intermediate_size, model.num_experts, model.mlp)
+
+
+@lru_cache(maxsize=256)
+def _block_linears(family, h, heads, kv_heads, head_dim, inter, experts, mlp):
+    hd = head_dim or (h // heads if heads else 0)
+    q, kv = heads * hd, (kv_heads or heads) * hd
+    if family == "gpt2":
+        return (("c_attn", h, 3 * h, 1), ("c_proj", h, h, 1), ("c_fc", h, inter, 1), ("c_proj", inter, h, 1))
+    if family == "bert":
+        return (("query", h, h, 1), ("key", h, h, 1), ("value", h, h, 1), ("dense", h, h, 1),
+                ("dense", h, inter, 1), ("dense", inter, h, 1))
+    copies = max(experts, 1)
+    attention = (("q_proj", h, q, 1), ("k_proj", h, kv, 1), ("v_proj", h, kv, 1), ("o_proj", q, h, 1))
+    if mlp == "gelu":
+        return attention + (("up_proj", h, inter, copies), ("down_proj", inter, h, copies))
+    return attention + (("gate_proj", h, inter, copies), ("up_proj", h, inter, copies),
+                        ("down_proj", inter, h, copies))
+
+
+def lora_adapter_params(model, rank: int, targets: tuple[str, ...]) -> int:
+    # Source: LoRA (Hu et al. 2021): A is r x in, B is out x r per adapted linear, per block.
+    linears = block_linears(model)
+    wanted = set(targets)
+    everything = "all-linear" in wanted
+    per_block = sum(rank * (i + o) * n for name, i, o, n in linears if everything or name in wanted)
+    return per_block * model.num_layers
+
+
+def lora_unknown_targets(model, targets: tuple[str, ...]) -> list[str]:
+    names = {name for name, *_ in block_linears(model)} | {"all-linear"}
+    return [t for t in targets if t not in names]
+
+
+def quantized_linear_params(model) -> int:
+    """Parameters of the block linears: what bitsandbytes quantizes (not embeddings, norms, head)."""
+    return model.num_layers * sum(i * o * n for _, i, o, n in block_linears(model))
+
+
+def frozen_base_bytes(model, base_dtype: str) -> int:
+    # Source: bitsandbytes Linear4bit (nf4, blocksize 64, double-quant absmax: 8 bit per 64 + fp32 per
+    # 64*256) and Linear8bitLt (1 B + fp32 row scale); everything else stays 16-bit.
+    if base_dtype not in ("nf4", "int8"):
+        return int(model.n_params * DTYPE_BYTES[base_dtype])
+    linear = quantized_linear_params(model)
+    rest = model.n_params - linear
+    if base_dtype == "nf4":
+        per_param = 0.5 + 1 / 64 + 4 / (64 * 256)
+    else:
+        per_param = 1 + 4 / max(model.hidden_size, 1)
+    return int(linear * per_param + rest * 2)
+
+
+def adafactor_ratio(model) -> float:
+    """Adafactor's factored state per parameter: sum(rows + cols) / sum(rows * cols) over matrices."""
+    if not model.has_shape:
+        side = max(model.largest_layer_params, model.n_params // 100, 1) ** 0.5
+        return 2.0 / side
+    vectors = sum((i + o) * n for _, i, o, n in block_linears(model)) * model.num_layers
+    vectors += 2 * (model.vocab_size + model.hidden_size)
+    return min(1.0, vectors / max(model.n_params, 1))
+
+
+def optimizer_state_bytes_per_param(optimizer: str, state_bytes: int, factored: float) -> float:
+    # Source: torch.optim AdamW/SGD keep moments in the param dtype; bitsandbytes AdamW8bit 1 B per
+    # moment + fp32 absmax per 256; Lion one moment; Adafactor factored row+col statistics.
+    if optimizer == "adamw":
+        return 2 * state_bytes
+    if optimizer == "adamw8bit":
+        return 2 + 2 * 4 / 256
+    if optimizer in ("sgd", "lion"):
+        return state_bytes
+    return state_bytes * factored  # adafactor
+
+
+def zero3_persistent_params(model, threshold: int) -> int:
+    """Parameters ZeRO-3 never partitions (numel below stage3_param_persistence_threshold): norms, biases."""
+    if not model.has_shape or model.hidden_size >= threshold:
+        return 0
+    norms_per_block = 4 if model.family == "gemma2" else 2
+    return (norms_per_block * model.num_layers + 1) * model.hidden_size
+
+
+class States:
+    """Per-rank model-state bytes by where and when they live (plain attributes; built once per plan)."""
+    __slots__ = ("params", "grads_persistent", "grads_full", "grads_step", "optimizer", "host", "nvme",
+                 "trained_per_rank", "state_bytes", "terms")
+
+    def __init__(self):
+        self.params = self.grads_persistent = self.grads_full = self.grads_step = self.optimizer = 0
+        self.host = {}
+        self.nvme = 0
+        self.trained_per_rank = 0
+        self.state_bytes = 4
+        self.terms = None
+
+
+def model_states(kind: str, shard: int, world: int, precision: str, optimizer: str, trained: int,
+                 frozen_bytes: int, factored: float, offload_optimizer, offload_params,
+                 persistent_params: int = 0, largest_param: int = 0, explain: bool = False) -> States:
+    """Real engine accounting. kind: ddp | fsdp | zero1 | zero2 | zero3; shard = ranks sharing the
+    sharded states (N, or the hybrid group size; 1 for no_shard)."""
+    out = States()
+    rec = [] if explain else None
+    mixed = precision in ("bf16", "fp16")
+    if kind in ("zero1", "zero2", "zero3"):
+        lp = 4 if precision == "fp32" else 2
+        moments = optimizer_state_bytes_per_param(optimizer, 4, factored)
+        part = trained / world
+        # Source: DeepSpeed stage_1_and_2.py / stage3.py: fp32 master partition + optimizer moments.
+        master = 4 * part if not (kind == "zero3" and precision == "fp32") else 0
+        opt = master + moments * part
+        if kind == "zero3":
+            params = lp * part + frozen_bytes / world + lp * persistent_params
+            grads_persist = lp * part  # grad_partitions_flat_buffer, allocated at init
+            grads_full = grads_persist
+            step = 4 * min(part, ZERO3_SUB_GROUP_SIZE)  # fp32 grad of one sub-group at step
+        else:
+            params = lp * trained + frozen_bytes
+            grads_persist = 0
+            grads_full = lp * trained if kind == "zero1" else lp * part
+            step = 4 * part  # fp32 gradient partition, created in step()
+        out.state_bytes = 4
+        host, nvme = {}, 0
+        if offload_optimizer:
+            where_opt = opt + step
+            if kind == "zero3":
+                where_opt += grads_persist  # the flat grad buffer follows the optimizer to the host
+                grads_persist = grads_full = 0
+            else:
+                grads_full = 0
+            step = 0
+            if offload_optimizer == "nvme":
+                nvme += int(opt + 4 * part)
+                host["nvme_swap_buffers"] = int(4 * min(part, ZERO3_SUB_GROUP_SIZE) * 4)
+                if kind == "zero3":
+                    host["grad_partitions"] = int(lp * part)
+            else:
+                host["offloaded_optimizer"] = int(where_opt)
+            opt = 0
+        if offload_params:
+            moved = lp * part + frozen_bytes / world
+            params -= moved
+            if offload_params == "nvme":
+                nvme += int(moved)
+                host["nvme_param_buffers"] = int(5 * 100_000_000 * lp)
+            else:
+                host["offloaded_params"] = int(moved)
+        out.params, out.grads_persistent, out.grads_full, out.grads_step, out.optimizer = \
+            int(params), int(grads_persist), int(grads_full), int(step), int(opt)
+        out.host, out.nvme = host, nvme
+        out.trained_per_rank = int(part)
+        if rec is not None:
+            rec.append(("params", out.params, "lp*T/N + frozen/N + lp*persistent" if kind == "zero3" else "lp*T + frozen",
+                        {"lp": lp, "T": trained, "N": world, "frozen": frozen_bytes, "persistent": persistent_params},
+                        "DeepSpeed: 16-bit model params (partitioned in ZeRO-3)"))
+            rec.append(("grads", out.grads_full, "lp*T/N" if kind != "zero1" else "lp*T",
+                        {"lp": lp, "T": trained, "N": world}, "DeepSpeed: 16-bit gradient (partition in ZeRO-2/3)"))
+            rec.append(("fp32_grad_at_step", out.grads_step, "4*min(T/N, sub_group)" if kind == "zero3" else "4*T/N",
+                        {"T": trained, "N": world}, "DeepSpeed step(): fp32 copy of the gradient partition"))
+            rec.append(("optimizer", out.optimizer, "(4 master + moments)*T/N",
+                        {"moments": moments, "T": trained, "N": world, "offload": offload_optimizer},
+                        "ZeRO paper K=12 for Adam: fp32 master 4 + moments 8"))
+        out.terms = rec
+        return out
+
+    # DDP and FSDP: torch keeps the optimizer in the dtype of the (sharded) parameters.
+    param_bytes = 2 if precision == "bf16-pure" else 4
+    moments = optimizer_state_bytes_per_param(optimizer, param_bytes, factored)
+    part = trained / shard
+    params = param_bytes * part + frozen_bytes / shard
+    grads = param_bytes * part
+    opt = moments * part
+    out.state_bytes = param_bytes
+    if kind == "ddp":
+        # Source: DDP gradient_as_bucket_view: grads live in the reducer's buckets for the whole run.
+        out.grads_persistent = int(grads)
+    host = {}
+    if offload_params:
+        host["offloaded_states"] = int(params + grads + opt)
+        params = grads = opt = 0
+        out.grads_persistent = 0
+    out.params, out.grads_full, out.optimizer = int(params), int(grads), int(opt)
+    out.host = host
+    out.trained_per_rank = int(part)
+    if rec is not None:
+        rec.append(("params", out.params, "pbytes*T/S + frozen/S",
+                    {"pbytes": param_bytes, "T": trained, "S": shard, "frozen": frozen_bytes, "mixed": mixed},
+                    "FSDP MixedPrecision keeps sharded params fp32; DDP autocast keeps fp32 params"))
+        rec.append(("grads", out.grads_full, "pbytes*T/S", {"pbytes": param_bytes, "T": trained, "S": shard},
+                    "grads in the (sharded) param dtype"))
+        rec.append(("optimizer", out.optimizer, "moments*T/S", {"moments": moments, "T": trained, "S": shard},
+                    "torch.optim state follows the param dtype"))
+    out.terms = rec
+    return out
+
+
+def ideal_states(stage: int, shard: int, precision: str, optimizer: str, trained: int, factored: float):
+    # Source: ZeRO paper (arXiv 1910.02054) sec. 5: (2 + 2 + K)*P, K = 12 for mixed-precision Adam.
+    lp = 4 if precision == "fp32" else 2
+    k = optimizer_state_bytes_per_param(optimizer, 4, factored) + (0 if precision == "fp32" else 4)
+    params = lp * trained / (shard if stage >= 3 else 1)
+    grads = lp * trained / (shard if stage >= 2 else 1)
+    opt = k * trained / (shard if stage >= 1 else 1)
+    return int(params), int(grads), int(opt), k

@@ -1,0 +1,97 @@
+"""Temporary buffers: gathered FSDP units, reduce buffers, DeepSpeed buckets, loss and optimizer-step
+scratch, checkpoint consolidation. Each function counts one buffer, per rank, in bytes."""
+from __future__ import annotations
+
+
+def gathered_unit_bytes(unit_params: int, dtype_bytes: int, units: int = 2) -> int:
+    # Source: FSDP all-gathers one unit before computing it; the prefetch keeps the next one live too.
+    return int(unit_params * dtype_bytes * units)
+
+
+def root_unit_bytes(non_block_params: int, dtype_bytes: int) -> int:
+    # Source: FSDP1/FSDP2 do not reshard the root after forward (embeddings + head stay gathered).
+    return int(non_block_params * dtype_bytes)
+
+
+def unsharded_grad_bytes(unit_params: int, dtype_bytes: int) -> int:
+    # Source: FSDP backward: the unit's full gradient in the compute dtype before reduce-scatter.
+    return int(unit_params * dtype_bytes)
+
+
+def reduce_scatter_bytes(unit_params: int, shard: int, reduce_bytes: int, sharded_bytes: int) -> int:
+    # Source: FSDP reduce-scatter output (reduce dtype) plus its cast to the sharded grad dtype.
+    return int(unit_params / shard * (reduce_bytes + (sharded_bytes if sharded_bytes != reduce_bytes else 0)))
+
+
+def all_units_gathered_bytes(total_params: int, dtype_bytes: int) -> int:
+    # Source: SHARD_GRAD_OP / fsdp2 reshard_after_forward=False keep every unit gathered fwd->bwd.
+    return int(total_params * dtype_bytes)
+
+
+def ddp_bucket_bytes(grad_bytes: int, bucket_view: bool) -> int:
+    # Source: torch DDP Reducer: flat buckets cover every grad; gradient_as_bucket_view makes grads views.
+    return 0 if bucket_view else int(grad_bytes)
+
+
+def zero12_ipg_bucket_bytes(reduce_bucket_size: int, lp: int, overlap_comm: bool) -> int:
+    # Source: deepspeed stage_1_and_2.py setup_buckets(): reduce_bucket_size elements, doubled with overlap_comm.
+    return int(reduce_bucket_size * lp * (2 if overlap_comm else 1))
+
+
+def zero3_ipg_bucket_bytes(reduce_bucket_size: int, lp: int) -> int:
+    # Source: deepspeed stage3.py __init__: one reduce_bucket_size bucket allocated at init.
+    return int(reduce_bucket_size * lp)
+
+
+def zero3_live_param_bytes(largest_layer: int, prefetch_bucket: int, max_live: int, lp: int) -> int:
+    # Source: deepspeed PartitionedParameterCoordinator: current module + prefetch, capped by max_live.
+    return int(min(largest_layer + prefetch_bucket, max(max_live, largest_layer)) * lp)
+
+
+def zero3_module_grad_bytes(largest_layer: int, lp: int) -> int:
+    # Source: DeepSpeed's estimator's 4*largest_layer: the gathered module's full 16-bit grad.
+    return int(largest_layer * lp)
+
+
+def zero_offload_grad_buffer_bytes(largest_param: int, lp: int) -> int:
+    # Source: stage_1_and_2.py temp_grad_buffer_for_gpu_offload (largest param numel, 16-bit).
+    return int(largest_param * lp)
+
+
+def zero_step_flatten_bytes(partition: int, lp: int) -> int:
+    # Source: stage_1_and_2.py step(): flatten of the 16-bit gradient partition before the fp32 cast.
+    return int(partition * lp)
+
+
+def loss_forward_bytes(tokens: int, per_token: float) -> int:
+    # Source: transformers ForCausalLMLoss: logits.float() copy for cross-entropy (16-bit logits only).
+    return int(tokens * per_token)
+
+
+def loss_backward_bytes(tokens: int, per_token: float) -> int:
+    # Source: autograd: nll_loss grad + log_softmax grad, both fp32 b*s*V.
+    return int(tokens * per_token)
+
+
+def activation_grad_bytes(tokens: int, seq: int, per_token: float, per_token_quad: float) -> int:
+    # Source: one block's backward working set: grads of the residual stream and widest intermediates.
+    return int(tokens * per_token + tokens * seq * per_token_quad)
+
+
+def optimizer_step_temp_bytes(optimizer: str, foreach: bool, trained_on_rank: int, state_bytes: int,
+                              largest_param: int) -> int:
+    # Source: torch.optim _multi_tensor_adamw: _foreach_sqrt(exp_avg_sq) copies every state;
+    # single-tensor (CPU default) sqrt()/div() make two copies of one tensor at a time.
+    if optimizer in ("adamw8bit",):
+        return 0
+    if optimizer == "adamw":
+        return int(trained_on_rank * state_bytes) if foreach else int(2 * largest_param * state_bytes)
+    if optimizer == "sgd":
+        return 0
+    return int(2 * largest_param * state_bytes)
+
+
+def checkpoint_save_bytes(mode: str, unit_params: int, state_bytes: int) -> int:
+    # Source: FSDP FULL_STATE_DICT gathers one unit at a time on the GPU (offload_to_cpu per unit);
+    # sharded DCP / DeepSpeed per-rank saves write the local shards without a device copy.
+    return int(unit_params * state_bytes) if mode == "full" else 0

@@ -1,0 +1,70 @@
+"""Text and JSON renderings of a FitResult: the one place `fit` output is formatted."""
+from __future__ import annotations
+
+from shardfit.measure.report import fmt_bytes
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1000:.2f} ms"
+
+
+def _step(c, world: int, gpu) -> str:
+    t = c.time
+    return (f"{_s(t.total_s)}/step (compute {_s(t.compute_s)}, communication {_s(t.exposed_comm_s)} exposed of "
+            f"{_s(t.comm_s)}, offload {_s(t.offload_s)}, optimizer {_s(t.optimizer_s)}); "
+            f"{t.tokens_per_s(world):,.0f} tokens/s, MFU {t.mfu(gpu):.0%}")
+
+
+def format_text(result) -> str:
+    r = result.request
+    world = r.world_size
+    lines = [f"fit {r.model.name} on {world} x {result.gpu.name} ({r.nodes} node{'s' if r.nodes > 1 else ''} x "
+             f"{r.gpus_per_node}), seq {r.seq_len}" + (f", LoRA r={r.lora.rank} ({r.lora.base_dtype} base)" if r.lora else "")]
+    lines += [f"  {note}" for note in result.notes]
+    lines.append("")
+    if result.best is None:
+        lines.append("NOTHING FITS")
+        lines += [f"  {s}" for s in result.suggestions]
+    else:
+        b = result.best
+        t = b.plan.training
+        lines.append(f"best: {b.family}: micro-batch {t.micro_batch} x accumulation {t.grad_accum}, activation "
+                     f"checkpointing {t.activation_checkpointing}, {t.precision}")
+        lines.append(f"  memory {fmt_bytes(b.peak_bytes)} per GPU of {fmt_bytes(result.usable_bytes)} usable")
+        lines.append(f"  time   {_step(b, world, result.gpu)}")
+        if result.alternatives:
+            lines += ["", "alternatives:"]
+            rows = [("plan", "per GPU", "step", "vs best")]
+            for c in result.alternatives:
+                rows.append((c.label, fmt_bytes(c.peak_bytes), _s(c.time.total_s),
+                             f"x{c.time.total_s / b.time.total_s:.2f}"))
+            widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            for row in rows:
+                lines.append("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                              for i, (cell, w) in enumerate(zip(row, widths))))
+    if result.rejected:
+        lines += ["", "why not the others:"]
+        lines += [f"  {x.family}: {x.reason}" for x in result.rejected]
+    lines.append(f"\n({result.estimates} plans estimated)")
+    return "\n".join(lines)
+
+
+def _candidate(c, world, gpu) -> dict:
+    t = c.time
+    return {"family": c.family, "strategy": c.plan.strategy.label, "micro_batch": c.plan.training.micro_batch,
+            "grad_accum": c.plan.training.grad_accum, "activation_checkpointing": c.plan.training.activation_checkpointing,
+            "precision": c.plan.training.precision, "peak_bytes": c.peak_bytes,
+            "step_s": round(t.total_s, 6), "compute_s": round(t.compute_s, 6), "comm_s": round(t.comm_s, 6),
+            "exposed_comm_s": round(t.exposed_comm_s, 6), "offload_s": round(t.offload_s, 6),
+            "optimizer_s": round(t.optimizer_s, 6), "tokens_per_s": round(t.tokens_per_s(world), 1),
+            "mfu": round(t.mfu(gpu), 4)}
+
+
+def to_json(result) -> dict:
+    world = result.request.world_size
+    return {"fits": result.fits, "gpu": result.gpu.name, "usable_bytes": result.usable_bytes,
+            "best": _candidate(result.best, world, result.gpu) if result.best else None,
+            "plan": result.best.plan.to_dict() if result.best else None,
+            "alternatives": [_candidate(c, world, result.gpu) for c in result.alternatives],
+            "rejected": [{"family": x.family, "reason": x.reason} for x in result.rejected],
+            "notes": list(result.notes), "suggestions": list(result.suggestions), "estimates": result.estimates}

@@ -1,0 +1,251 @@
+"""`fit`: search the plan space, keep what the estimator says fits with margin, rank by step time.
+
+Inside each strategy family the micro-batch is found by bisection over the divisors of the
+per-rank batch (memory grows with micro-batch, so the largest that fits is found in log₂ steps),
+for each activation-checkpointing setting and DeepSpeed buffer variant. Accumulation makes up the
+rest of the global batch. Every plan returned was checked by the estimator itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardfit.errors import ShardfitError
+from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, Family, bucket_changes, engine_of, families
+from shardfit.fit.steptime import StepTime, step_time
+from shardfit.measure.report import fmt_bytes
+from shardfit.spec.gpus import GPU, get_gpu
+from shardfit.spec.model_spec import ModelSpec
+from shardfit.spec.plan import LoRA, Plan, validate_plan
+
+GIB = 1024**3
+# Two plans within this fraction of each other's step time count as a tie: the field's order decides.
+TIE = 0.02
+MAX_MICRO_BATCH = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitRequest:
+    model: ModelSpec
+    gpu: str = "H100-80GB"
+    gpus_per_node: int = 8
+    nodes: int = 1
+    seq_len: int = 2048
+    global_batch: int | None = None  # sequences per optimizer step; None = 4 per GPU
+    lora: LoRA | None = None
+    margin: float = 0.10
+    precision: str | None = None  # None = bf16 where supported, else fp16 with loss scaling
+    optimizer: str = "adamw"
+    engines: tuple[str, ...] = ("ddp", "deepspeed", "fsdp")
+    device: str = "cuda"  # "cpu": compare tensor bytes only (no CUDA context, NCCL or allocator rounding)
+    host_memory_gib: float | None = None
+    top: int = 3
+    base: Plan | None = None  # carries schedule / data into the result
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    family: str
+    plan: Plan
+    peak_bytes: int  # what is compared with the budget (device peak, or tensor peak on CPU)
+    time: StepTime
+    order: int
+
+    @property
+    def label(self) -> str:
+        t = self.plan.training
+        return f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    family: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitResult:
+    request: FitRequest
+    gpu: GPU
+    usable_bytes: int
+    best: Candidate | None
+    alternatives: tuple[Candidate, ...]
+    rejected: tuple[Rejection, ...]
+    notes: tuple[str, ...]
+    suggestions: tuple[str, ...] = ()
+    estimates: int = 0  # estimator calls made
+    smallest: dict = field(default_factory=dict)  # family -> (peak bytes, plan) of its leanest plan that doesn't fit
+
+    @property
+    def fits(self) -> bool:
+        return self.best is not None
+
+
+def _estimate_fn(estimate_fn, device: str):
+    if estimate_fn is not None:
+        return estimate_fn
+    from shardfit.estimate.estimator import estimate
+    return lambda plan: estimate(plan, device=device)
+
+
+def divisors(n: int, cap: int = MAX_MICRO_BATCH) -> list[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def _precision(request: FitRequest, gpu: GPU) -> tuple[str, bool | None, str]:
+    if request.precision:
+        return request.precision, (True if request.precision == "fp16" else None), f"precision {request.precision} (as asked)"
+    if gpu.supports_bf16:
+        return "bf16", None, f"bf16: {gpu.name} supports it (no loss scaling needed)"
+    return "fp16", True, f"fp16 with dynamic loss scaling: {gpu.name} has no bf16"
+
+
+class _Search:
+    def __init__(self, request: FitRequest, estimate_fn):
+        self.request = request
+        self.estimate = _estimate_fn(estimate_fn, request.device)
+        self.gpu = get_gpu(request.gpu)
+        self.usable = int(self.gpu.memory_bytes * (1.0 - request.margin))
+        self.calls = 0
+        self._cache: dict = {}
+
+    def run(self, plan: Plan):
+        """The estimator's answer for `plan`, memoised (Plans are frozen and hashable)."""
+        if plan not in self._cache:
+            self.calls += 1
+            self._cache[plan] = self.estimate(plan)
+        return self._cache[plan]
+
+    def peak(self, plan: Plan) -> int:
+        est = self.run(plan)
+        return est.device_peak_bytes if self.request.device == "cuda" else est.peak_bytes
+
+    def host_bytes(self, plan: Plan) -> int:
+        """Host RAM per node (offloaded states, pinned buffers)."""
+        return sum(self.run(plan).host.values()) * plan.cluster.gpus_per_node
+
+    def host_ok(self, plan: Plan) -> bool:
+        limit = self.request.host_memory_gib
+        return limit is None or self.host_bytes(plan) <= limit * GIB
+
+    def fits(self, plan: Plan, limit: int | None = None) -> bool:
+        return self.peak(plan) <= (self.usable if limit is None else limit) and self.host_ok(plan)
+
+
+def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, per_rank: int,
+               seq: int, precision: str, loss_scaling, request: FitRequest) -> Plan:
+    strategy = family.strategy
+    if strategy.is_deepspeed:
+        changes = bucket_changes(buckets, base.model.hidden_size)
+        if changes:
+            from dataclasses import replace
+            strategy = replace(strategy, **changes)
+    return base.with_changes(
+        strategy=strategy,
+        training={"micro_batch": micro, "grad_accum": per_rank // micro, "seq_len": seq, "precision": precision,
+                  "loss_scaling": loss_scaling, "activation_checkpointing": ac, "lora": request.lora,
+                  "optimizer": request.optimizer},
+        cluster={"nodes": request.nodes, "gpus_per_node": request.gpus_per_node, "gpu": request.gpu,
+                 "host_memory_gib": request.host_memory_gib})
+
+
+def _largest_fitting(search: _Search, make, micro_options: list[int]) -> Plan | None:
+    """Bisection: the largest micro-batch whose plan fits (memory is monotone in micro-batch)."""
+    lo, hi, best = 0, len(micro_options) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        plan = make(micro_options[mid])
+        if search.fits(plan):
+            best, lo = plan, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _sorted(cands: list[Candidate]) -> list[Candidate]:
+    """Fastest first; within TIE of each other the field's order (simpler family, less AC) wins."""
+    out = sorted(cands, key=lambda c: (c.time.total_s, c.order))
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(out) - 1):
+            a, b = out[i], out[i + 1]
+            if b.order < a.order and b.time.total_s <= a.time.total_s * (1 + TIE):
+                out[i], out[i + 1] = b, a
+                changed = True
+    return out
+
+
+def fit(request: FitRequest, estimate_fn=None) -> FitResult:
+    """The fastest plan predicted to fit with margin, alternatives, and why each family lost."""
+    from shardfit.fit.explain import explain_rejections, suggest
+
+    if not 0 <= request.margin < 1:
+        raise ShardfitError(f"--margin must be between 0 and 1 (a fraction of device memory), got {request.margin}")
+    if request.seq_len < 1 or request.gpus_per_node < 1 or request.nodes < 1:
+        raise ShardfitError("--seq, --gpus and --nodes must be at least 1")
+    search = _Search(request, estimate_fn)
+    world = request.world_size
+    global_batch = request.global_batch or 4 * world
+    if global_batch < world or global_batch % world:
+        lower, upper = (global_batch // world) * world, -(-global_batch // world) * world
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ShardfitError(f"--global-batch {global_batch} is not a multiple of the {world} GPUs: use {hint}")
+    per_rank = global_batch // world
+    precision, loss_scaling, precision_note = _precision(request, search.gpu)
+    base = request.base or Plan(model=request.model)
+    base = base.with_changes(model=request.model) if base.model != request.model else base
+    notes = [precision_note,
+             f"global batch {global_batch} = micro-batch x accumulation x {world} GPUs ({per_rank} sequences per GPU)",
+             f"usable memory {fmt_bytes(search.usable)} of {search.gpu.memory_gib:g} GiB "
+             f"({request.margin:.0%} margin{'' if request.device == 'cuda' else ', tensor bytes only: CPU run'})"]
+    micro_options = divisors(per_rank)
+    ac_options = AC_OPTIONS if request.model.has_shape else ("none",)
+    all_families = [f for f in families(request.gpus_per_node, request.nodes, request.model.hidden_size)
+                    if engine_of(f.strategy) in request.engines]
+    if not all_families:
+        raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search: use ddp, deepspeed or fsdp")
+
+    found: dict[str, list[Candidate]] = {}
+    smallest: dict[str, tuple[int, Plan]] = {}
+    searched_tiers: set[int] = set()
+    for tier in (0, 1, 2):
+        if any(found.values()):
+            break
+        searched_tiers.add(tier)
+        for fam in (f for f in all_families if f.tier == tier):
+            cands: list[Candidate] = []
+            variants = BUCKET_VARIANTS if fam.strategy.is_deepspeed else ("default",)
+            for ac in ac_options:
+                for buckets in variants:
+                    def make(micro, fam=fam, ac=ac, buckets=buckets):
+                        return _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len,
+                                          precision, loss_scaling, request)
+                    plan = _largest_fitting(search, make, micro_options)
+                    if plan is None:
+                        lean = make(1)
+                        peak = search.peak(lean) if search.host_ok(lean) else 2**62
+                        if fam.label not in smallest or peak <= smallest[fam.label][0]:
+                            smallest[fam.label] = (peak, lean)
+                        continue
+                    cands.append(Candidate(family=fam.label, plan=plan, peak_bytes=search.peak(plan),
+                                           time=step_time(plan, search.gpu),
+                                           order=fam.order * 10 + ac_options.index(ac) * 2 + variants.index(buckets)))
+            found[fam.label] = _sorted(cands)
+    ranked = _sorted([c[0] for c in found.values() if c])
+    best = ranked[0] if ranked else None
+    if best is not None:
+        warnings = validate_plan(best.plan)
+        notes += [f"note: {w}" for w in warnings]
+        host = sum(search.run(best.plan).host.values()) * request.gpus_per_node
+        if best.plan.strategy.offload_optimizer or best.plan.strategy.offload_params:
+            notes.append(f"offload needs {fmt_bytes(host)} of host RAM per node: check with --host-memory-gib")
+    alternatives = tuple(ranked[1:1 + request.top])
+    rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
+    suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling, per_rank))
+    return FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
+                     alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
+                     suggestions=suggestions, estimates=search.calls, smallest=smallest)

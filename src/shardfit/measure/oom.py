@@ -1,0 +1,175 @@
+"""Explain an out-of-memory error: where it struck, what dominated, the likely cause, and the
+smallest changes that fit according to the estimator (`estimate(plan.with_changes(...))`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardfit.estimate.result import CATEGORIES
+from shardfit.measure.report import fmt_bytes
+
+# reserved ≫ allocated: the allocator holds memory it can't hand out in one piece.
+_FRAGMENTATION_SHARE = 0.25
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fix:
+    change: str
+    peak_bytes: int
+    delta_bytes: int
+    fits: bool
+
+    def line(self) -> str:
+        sign = "−" if self.delta_bytes < 0 else "+"
+        verdict = "fits" if self.fits else "still too big"
+        return f"{self.change}: {sign}{fmt_bytes(abs(self.delta_bytes))}, {verdict} (peak {fmt_bytes(self.peak_bytes)})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diagnosis:
+    phase: str
+    step: int
+    rank: int
+    dominant: str
+    growing: str
+    dominant_bytes: int
+    live: dict
+    limit_bytes: int | None
+    cause: str
+    fixes: tuple = ()
+    notes: tuple = ()
+    snapshot: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"phase": self.phase, "step": self.step, "rank": self.rank, "dominant": self.dominant, "growing": self.growing,
+                "dominant_bytes": self.dominant_bytes, "live": self.live, "limit_bytes": self.limit_bytes,
+                "cause": self.cause, "fixes": [f.__dict__ for f in self.fixes], "notes": list(self.notes),
+                "snapshot": self.snapshot}
+
+
+def _cause(phase: str, step: int, live: dict, dominant: str, strategy, cuda: dict) -> str:
+    """`dominant` here is what grew most during the phase (or the largest term if unknown)."""
+    reserved, allocated = cuda.get("reserved", 0), cuda.get("allocated", 0)
+    if reserved and reserved - allocated > _FRAGMENTATION_SHARE * reserved:
+        return (f"fragmentation: the allocator reserves {fmt_bytes(reserved)} but only {fmt_bytes(allocated)} is "
+                "allocated (reserved ≫ allocated); set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    states = live.get("params", 0) + live.get("grads", 0) + live.get("optimizer", 0)
+    if phase == "load" or (phase == "optimizer" and step <= 1) or (
+            dominant in ("params", "optimizer", "grads") and phase != "forward"):
+        return (f"parameters + optimizer states ({fmt_bytes(states)}) don't fit at {phase}: "
+                "shard them (ZeRO / FSDP) or offload the optimizer")
+    if phase == "checkpoint":
+        return "saving gathers a full copy of the model: save sharded checkpoints (DCP / DeepSpeed) instead"
+    shards = strategy is not None and strategy.shards_params
+    if dominant == "temporaries" and (shards or phase == "forward"):
+        return ("a gathered unit is too large under FSDP/ZeRO-3: wrap smaller units or lower the prefetch / "
+                "live-parameter limits" if shards else
+                f"temporaries ({fmt_bytes(live['temporaries'])}) dominate in {phase}: buckets or the logits/loss")
+    if phase == "forward" or dominant == "activations":
+        return (f"activations ({fmt_bytes(live.get('activations', 0))}) grow with micro-batch × sequence length "
+                f"in {phase}: checkpoint activations or shorten the micro-batch")
+    return f"{dominant} dominate in {phase} ({fmt_bytes(live.get(dominant, 0))})"
+
+
+def candidate_changes(plan) -> list[tuple[str, dict]]:
+    """Changes from least to most disruptive; each is a `plan.with_changes` argument."""
+    t, s = plan.training, plan.strategy
+    out = []
+    if str(t.activation_checkpointing).lower() in ("none", "off", "false", "0"):
+        out.append(("activation checkpointing", {"training": {"activation_checkpointing": "full"}}))
+    if t.micro_batch > 1:
+        out.append((f"micro-batch {t.micro_batch} → {t.micro_batch // 2} with accumulation ×2",
+                    {"training": {"micro_batch": t.micro_batch // 2, "grad_accum": t.grad_accum * 2}}))
+    if t.precision == "fp32":
+        out.append(("bf16 mixed precision", {"training": {"precision": "bf16"}}))
+    ladder = ["ddp", "zero1", "zero2", "zero3"]
+    if s.kind in ladder[:-1]:
+        for kind in ladder[ladder.index(s.kind) + 1:]:
+            out.append((f"strategy {kind}", {"strategy": {"kind": kind}}))
+    if s.kind == "fsdp" and s.sharding != "full_shard":
+        out.append(("fsdp full_shard", {"strategy": {"sharding": "full_shard"}}))
+    if s.kind == "zero3" and not s.offload_optimizer:
+        out.append(("offload the optimizer to CPU", {"strategy": {"offload_optimizer": "cpu"}}))
+    if s.kind in ("zero1", "zero2") and not s.offload_optimizer:
+        out.append(("offload the optimizer to CPU", {"strategy": {"offload_optimizer": "cpu"}}))
+    return out
+
+
+def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -> tuple[list[Fix], list[str]]:
+    try:
+        from shardfit.estimate.estimator import estimate
+    except ImportError:
+        return [], ["the estimator is not available: no sized fixes"]
+    from shardfit.errors import ShardfitError
+
+    def peak(p):
+        # On a CPU (a rehearsal under a budget) only tensor bytes exist: no CUDA context or NCCL.
+        est = estimate(p, device="cuda" if on_device else "cpu")
+        return est.device_peak_bytes if on_device else est.peak_bytes
+
+    base = peak(plan)
+    fixes, notes = [], []
+    for label, changes in candidate_changes(plan):
+        try:
+            changed = plan.with_changes(**changes)
+            from shardfit.spec.plan import validate_plan
+
+            validate_plan(changed)
+            new = peak(changed)
+        except ShardfitError as exc:
+            notes.append(f"{label}: not possible ({exc})")
+            continue
+        fixes.append(Fix(change=label, peak_bytes=new, delta_bytes=new - base, fits=new <= limit_bytes))
+    fitting = [f for f in fixes if f.fits]
+    shown = fitting[:max_fixes] if fitting else sorted(fixes, key=lambda f: f.peak_bytes)[:2]
+    if not fitting:
+        notes.append("no single change fits: combine them (`shardfit fit` searches combinations)")
+    return shown, notes
+
+
+def diagnose(report, plan=None) -> Diagnosis | None:
+    """report: a RankReport whose `oom` is set (or None -> None)."""
+    oom = getattr(report, "oom", None)
+    if not oom:
+        return None
+    live = {c: int(oom.get("breakdown", {}).get(c, 0)) for c in CATEGORIES}
+    dominant = max(CATEGORIES, key=lambda c: live[c])
+    grown = oom.get("grown") or {}
+    growing = max(CATEGORIES, key=lambda c: grown.get(c, 0)) if any(v > 0 for v in grown.values()) else dominant
+    limit = oom.get("budget")
+    cuda = oom.get("cuda") or {}
+    on_device = bool(cuda)
+    if limit is None and cuda:
+        limit = cuda.get("device_total")
+    if limit is None and plan is not None:
+        from shardfit.spec.gpus import get_gpu
+
+        gpu = get_gpu(plan.cluster.gpu)
+        limit = int(getattr(gpu, "memory_bytes", 0) or getattr(gpu, "memory_gib", 0) * 2**30) or None
+        on_device = True
+    strategy = plan.strategy if plan is not None else None
+    cause = _cause(oom["phase"], oom.get("step", 0), live, growing, strategy, cuda)
+    fixes, notes = ([], ["no plan given: pass plan= to profile() for sized fixes"])
+    if plan is not None and limit:
+        fixes, notes = suggest_fixes(plan, limit, on_device)
+    return Diagnosis(phase=oom["phase"], step=oom.get("step", 0), rank=report.rank, dominant=dominant, growing=growing,
+                     dominant_bytes=live[dominant], live=live, limit_bytes=limit, cause=cause, fixes=tuple(fixes),
+                     notes=tuple(notes), snapshot=oom.get("snapshot"))
+
+
+def format_diagnosis(diagnosis: Diagnosis | None) -> str:
+    if diagnosis is None:
+        return "no out-of-memory error was recorded"
+    d = diagnosis
+    live_total = sum(d.live.values())
+    lines = [f"OUT OF MEMORY on rank {d.rank} in {d.phase} (step {d.step}): {fmt_bytes(live_total)} live"
+             + (f" of {fmt_bytes(d.limit_bytes)}" if d.limit_bytes else ""),
+             f"  largest: {d.dominant} {fmt_bytes(d.dominant_bytes)}; grew most in {d.phase}: {d.growing}  ("
+             + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in d.live.items() if v) + ")",
+             f"  likely cause: {d.cause}"]
+    if d.fixes:
+        lines.append("  smallest changes (estimator):")
+        lines += [f"    - {fix.line()}" for fix in d.fixes]
+    lines += [f"  note: {note}" for note in d.notes]
+    if d.snapshot:
+        lines.append(f"  memory snapshot: {d.snapshot} (open at https://pytorch.org/memory_viz)")
+    return "\n".join(lines)

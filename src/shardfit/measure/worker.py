@@ -1,0 +1,135 @@
+"""The profiling harness, run on every rank under torchrun: for each configuration in a JSON list,
+build the Plan's model on shardfit.engines, run a few real steps under `shardfit.profile`, gather the
+ranks on rank 0 and append one JSON line (measured, estimated, errors) to the output file.
+
+    torchrun --nproc-per-node 2 -m shardfit.measure.worker CONFIGS.json OUT.jsonl
+
+One launch loops over many configurations: process start and imports dominate a tiny model's run.
+Each configuration: {"plan": {...plan dict, model by preset name...}, "steps": 2, "checkpoint": false,
+"budget_bytes": null, "budget_between": null}. `budget_between: k` sets the budget halfway between
+the load and the forward peak that configuration k measured (a forced forward OOM).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def make_batch(plan, step: int, rank: int, vocab: int) -> dict:
+    t = plan.training
+    generator = torch.Generator().manual_seed(plan.schedule.seed * 1000 + step * 17 + rank)
+    ids = torch.randint(0, vocab, (t.micro_batch, t.seq_len), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def load_plan(data: dict):
+    from shardfit.spec.models import model_spec_for
+    from shardfit.spec.plan import plan_from_dict
+
+    return plan_from_dict(data, resolve_model=model_spec_for)
+
+
+def estimate_dict(plan, device: str = "cpu") -> dict | None:
+    try:
+        from shardfit.estimate.estimator import estimate
+    except ImportError:
+        return None
+    est = estimate(plan, device=device)
+    return {"phases": est.phases, "peak_phase": est.peak_phase, "peak_bytes": est.peak_bytes,
+            "overhead": est.overhead, "host": est.host, "assumptions": list(est.assumptions)}
+
+
+def run_one(config: dict, ctx, previous: list) -> dict:
+    import shardfit
+    from shardfit import engines
+    from shardfit.measure.report import gather
+    from shardfit.modeling import build_model
+
+    plan = load_plan(config["plan"])
+    steps = int(config.get("steps", 2))
+    budget = config.get("budget_bytes")
+    if config.get("budget_between") is not None:
+        ref = previous[config["budget_between"]]["measured"]
+        load = sum(v for k, v in ref["load"].items() if k != "host")
+        forward = sum(v for k, v in ref["forward"].items() if k != "host")
+        budget = int(load + 0.5 * (forward - load))
+    started = time.perf_counter()
+    prof = shardfit.profile(plan=plan, budget_bytes=budget, explain_oom=False, label=plan.strategy.label)
+    engine = None
+    error = None
+    with prof:
+        try:
+            model = build_model(plan.model.source, device="cpu", dtype=None, seed=plan.schedule.seed,
+                                attn_implementation=plan.training.attention)
+            engine = engines.setup(plan, model, ctx)
+            del model
+            prof.attach(engine.model, engine.optimizer)
+            vocab = plan.model.vocab_size
+            for step in range(steps):
+                for micro in range(plan.training.grad_accum):
+                    batch = make_batch(plan, step * plan.training.grad_accum + micro, ctx.rank, vocab)
+                    engine.forward_backward(batch, last=micro == plan.training.grad_accum - 1)
+                if not engine.kind.startswith("zero"):
+                    engine.step()
+            if config.get("checkpoint"):
+                with tempfile.TemporaryDirectory() as directory, prof.phase("checkpoint"):
+                    engine.save(directory)
+        except torch.OutOfMemoryError as exc:
+            prof.record_oom(exc)
+            error = "oom"
+    report = prof.report()
+    engine = None
+    gc.collect()
+    gathered = gather(report, everywhere=True)
+    from shardfit.measure.compare import compare
+
+    estimate = estimate_dict(plan, "cuda" if ctx.device.type == "cuda" else "cpu")
+    out = {"label": config.get("label") or plan.strategy.label, "plan": config["plan"], "budget_bytes": budget,
+           "error": error, "seconds": round(time.perf_counter() - started, 2), "measured": gathered.phases,
+           "report": gathered.to_dict(), "estimate": estimate,
+           "comparison": compare(gathered.phases, estimate["phases"]) if estimate else None}
+    if error == "oom":
+        from shardfit.measure.oom import diagnose
+
+        first = next(r for r in gathered.ranks if r.oom)
+        diagnosis = diagnose(first, plan)
+        out["diagnosis"] = diagnosis.to_dict() if diagnosis else None
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    configs_path, out_path = argv[0], argv[1]
+    from shardfit.engines.base import init_distributed
+
+    ctx = init_distributed()
+    torch.set_num_threads(1)
+    with open(configs_path) as handle:
+        configs = json.load(handle)
+    results = []
+    for config in configs:
+        try:
+            result = run_one(config, ctx, results)
+        except Exception as exc:  # noqa: BLE001 - one bad configuration must not hide the others
+            result = {"label": config.get("label"), "plan": config.get("plan"), "error": f"{type(exc).__name__}: {exc}",
+                      "traceback": traceback.format_exc()[-3000:]}
+            if ctx.rank == 0:
+                print(result["traceback"], file=sys.stderr)
+        results.append(result)
+        if ctx.rank == 0:
+            with open(out_path, "a") as handle:
+                handle.write(json.dumps(result) + "\n")
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

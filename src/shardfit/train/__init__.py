@@ -1,0 +1,1 @@
+"""`shardfit train`: a Plan becomes a running job on DDP, FSDP, FSDP2 or DeepSpeed (see loop.train)."""

@@ -1,0 +1,100 @@
+"""Relaunch `shardfit train` under torchrun when it is not already inside a distributed launch,
+and turn a Plan file plus command-line flags into the Plan the workers run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shardfit.errors import ShardfitError
+
+# Without a plan file: the tiny preset on CPU, fp32, a few steps, so `shardfit train` finishes
+# in well under a minute on a fresh machine.
+QUICK_DEFAULTS = {
+    "model": "tiny-llama",
+    "strategy": {"kind": "fsdp2"},
+    "training": {"micro_batch": 4, "seq_len": 128, "grad_accum": 1, "precision": "fp32"},
+    "schedule": {"steps": 20, "lr": 3e-3, "warmup_steps": 2, "log_every": 5, "eval_every": 10, "save_every": 10,
+                 "keep_checkpoints": 2},
+}
+
+
+def inside_launch() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(argv: list[str], nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> list[str]:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes > 1:
+        if not endpoint:
+            raise ShardfitError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint={endpoint}", "--max-restarts=0"]
+    elif endpoint:
+        host, _, port = endpoint.partition(":")
+        command += [f"--master-addr={host}", f"--master-port={port or 29500}"]
+    else:
+        command += ["--standalone"]
+    return command + ["-m", "shardfit", *argv]
+
+
+def relaunch(argv: list[str], nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> int:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    return subprocess.call(torchrun_command(argv, nproc, nnodes, node_rank, endpoint), env=env)
+
+
+def read_plan_dict(path: str | None) -> dict:
+    import yaml
+
+    if path is None:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in QUICK_DEFAULTS.items()}
+    file = Path(path)
+    if not file.is_file():
+        raise ShardfitError(f"plan file '{path}' does not exist: write one with `shardfit emit --plan` or omit it")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ShardfitError(f"plan file '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ShardfitError(f"plan file '{path}' must be a mapping with a 'model' key")
+    return data
+
+
+def build_plan(args):
+    """Plan file (or quick defaults) < command-line flags < the launch's real cluster shape."""
+    from shardfit.spec.models import load_model_spec
+    from shardfit.spec.plan import parse_strategy, plan_from_dict
+
+    data = read_plan_dict(args.plan)
+    for section in ("strategy", "training", "schedule", "data", "cluster"):
+        data[section] = dict(data.get(section) or {})
+    if args.model:
+        data["model"] = args.model
+    if args.strategy:
+        strategy = parse_strategy(args.strategy)
+        data["strategy"].update({k: getattr(strategy, k) for k in ("kind", "sharding", "reshard_after_forward",
+                                                                   "offload_optimizer", "offload_params", "nvme_path")})
+    if args.shard_group_size:
+        data["strategy"]["shard_group_size"] = args.shard_group_size
+    for flag, section, key in (("micro_batch", "training", "micro_batch"), ("seq", "training", "seq_len"),
+                               ("grad_accum", "training", "grad_accum"), ("precision", "training", "precision"),
+                               ("ac", "training", "activation_checkpointing"), ("steps", "schedule", "steps"),
+                               ("lr", "schedule", "lr"), ("seed", "schedule", "seed"),
+                               ("log_every", "schedule", "log_every"), ("eval_every", "schedule", "eval_every"),
+                               ("save_every", "schedule", "save_every"), ("keep", "schedule", "keep_checkpoints"),
+                               ("nan_policy", "schedule", "nan_policy"), ("data", "data", "path"),
+                               ("tokenizer", "data", "tokenizer")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            data[section][key] = value
+    if getattr(args, "lora_rank", None):
+        data["training"]["lora"] = {**(data["training"].get("lora") or {}), "rank": args.lora_rank,
+                                    "base_dtype": "fp32"}
+    # The cluster is what this launch really is (torchrun's environment), not what the file says.
+    world = int(os.environ.get("WORLD_SIZE", args.nproc * args.nnodes))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc))
+    data["cluster"].update({"nodes": max(1, world // max(1, local)), "gpus_per_node": local})
+    return plan_from_dict(data, resolve_model=load_model_spec)

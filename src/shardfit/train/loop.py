@@ -1,0 +1,182 @@
+"""The training loop, engine-agnostic: accumulation, NaN/inf detection, logging, evaluation with a
+generated sample, checkpoints and resume. One call per run, on every rank:
+
+    records = train(plan, out_dir="runs/a", resume=None)
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import resource
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shardfit import engines
+from shardfit.data import DistributedBatches, collate, load_data
+from shardfit.engines.base import DistContext, init_distributed
+from shardfit.errors import ShardfitError
+from shardfit.train import checkpoint as ckpt
+from shardfit.train.generate import engine_generate
+
+DEFAULT_PROMPT = "In the morning, the baker"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    resume: str | None = None
+    progress: bool = True
+    prompt: str = DEFAULT_PROMPT
+    new_tokens: int = 24
+    eval_batches: int = 4
+    export: str | None = None
+    quiet: bool = False
+
+
+def peak_memory_bytes(device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_model(plan):
+    """On CPU, fp32, seeded: every engine and every rank starts from the same weights."""
+    from shardfit.modeling import build_model as build
+
+    return build(plan.model, device="cpu", dtype="fp32", seed=plan.schedule.seed,
+                 attn_implementation=plan.training.attention)
+
+
+def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | None = None, model=None) -> list[dict]:
+    ctx = ctx or init_distributed()
+    out = Path(out_dir)
+    s, t = plan.schedule, plan.training
+    if s.nan_policy not in ("stop", "skip"):
+        raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
+    if ctx.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    model = model if model is not None else build_model(plan)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    tokenizer, data = load_data(plan.data.path, plan.data.tokenizer, t.seq_len, vocab)
+    engine = engines.setup(plan, model, ctx)
+    lengths = [len(e) for e in data.train]
+    batches = DistributedBatches(lengths, t.micro_batch, ctx.rank, ctx.world_size, s.seed)
+    # Identical randomness on every rank (dropout masks differ only through data).
+    seed_everything(s.seed)
+
+    start = 0
+    if options.resume:
+        path = ckpt.resolve_resume(options.resume, out)
+        start, position = ckpt.load_checkpoint(engine, path)
+        batches = DistributedBatches(lengths, t.micro_batch, ctx.rank, ctx.world_size, s.seed, position=position)
+        _say(ctx, options, f"resumed from {path} at step {start}")
+
+    metrics_file = out / "metrics.jsonl"
+    records: list[dict] = []
+    bar = None
+    if ctx.is_main and options.progress and not options.quiet:
+        from tqdm import tqdm
+        bar = tqdm(total=s.steps, initial=start, desc=f"train {engine.kind}", unit="step", leave=False)
+    window_tokens, window_start = 0, time.perf_counter()
+    for step in range(start, s.steps):
+        step_start = time.perf_counter()
+        local = torch.zeros(2, dtype=torch.float64)
+        for micro in range(t.grad_accum):
+            batch = collate([data.train[i] for i in batches.next()], data.pad_id)
+            loss = engine.forward_backward(batch, micro == t.grad_accum - 1)
+            local[0] += loss.double().cpu()
+            local[1] += float(batch["attention_mask"].sum())
+        reduced = local.to(ctx.device)
+        dist.all_reduce(reduced)  # SUM: gloo has no AVG
+        step_loss = float(reduced[0]) / (ctx.world_size * t.grad_accum)
+        tokens = int(reduced[1])
+        if not math.isfinite(step_loss):
+            if s.nan_policy == "stop" or engine.kind.startswith("zero"):
+                raise ShardfitError(f"loss is {step_loss} at step {step + 1}: lower the lr, use bf16 instead of fp16, "
+                                    "or set schedule.nan_policy: skip")
+            engine.zero_grad()
+            record = {"step": step + 1, "loss": step_loss, "skipped": True}
+        else:
+            grad_norm, stepped = engine.step()
+            window_tokens += tokens
+            record = {"step": step + 1, "loss": step_loss, "grad_norm": grad_norm,
+                      "lr": _lr(engine), "tokens": tokens, "skipped": not stepped}
+        record["step_time"] = time.perf_counter() - step_start
+        records.append(record)
+        if (step + 1) % max(1, s.log_every) == 0 or step + 1 == s.steps:
+            elapsed = time.perf_counter() - window_start
+            record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
+            record["peak_mem_bytes"] = peak_memory_bytes(ctx.device)
+            window_tokens, window_start = 0, time.perf_counter()
+            _say(ctx, options, _log_line(record, s.steps), bar)
+        if s.eval_every and (step + 1) % s.eval_every == 0:
+            record.update(evaluate(engine, data, tokenizer, options))
+            _say(ctx, options, f"eval step {step + 1}: val_loss {record['val_loss']:.4f} | "
+                               f"sample {options.prompt!r} -> {record['sample']!r}", bar)
+        if ctx.is_main:
+            with metrics_file.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if s.save_every and ((step + 1) % s.save_every == 0 or step + 1 == s.steps):
+            path = ckpt.save_checkpoint(engine, out / "checkpoints", step + 1, batches.position, s.keep_checkpoints)
+            _say(ctx, options, f"saved {path}", bar)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if options.export:
+        from shardfit.train.export import copy_tokenizer_note, export_engine
+        export_engine(engine, Path(options.export))
+        if ctx.is_main:
+            copy_tokenizer_note(Path(options.export), tokenizer.name)
+        _say(ctx, options, f"exported {options.export}")
+    train.last_engine = engine  # for tests and benchmarks that inspect the final state
+    return records
+
+
+def evaluate(engine, data, tokenizer, options: RunOptions) -> dict:
+    """Validation loss over the first eval_batches global batches of the held-out split (the same
+    examples every time), and a greedy sample from the prompt."""
+    ctx, t = engine.ctx, engine.plan.training
+    span = t.micro_batch * ctx.world_size
+    count = max(1, min(options.eval_batches, len(data.val) // span))
+    total = torch.zeros(1, dtype=torch.float64)
+    with engine.inference() as model:
+        for k in range(count):
+            start = k * span + ctx.rank * t.micro_batch
+            batch = collate(list(data.val[start:start + t.micro_batch]), data.pad_id)
+            batch = {key: value.to(ctx.device) for key, value in batch.items()}
+            total += float(model(**batch).loss.float())
+    total = total.to(ctx.device)
+    dist.all_reduce(total)
+    tokens, text = engine_generate(engine, tokenizer, options.prompt, options.new_tokens)
+    return {"val_loss": float(total) / (count * ctx.world_size), "sample": text, "sample_ids": tokens}
+
+
+def _lr(engine) -> float:
+    return float(engine.optimizer.param_groups[0]["lr"])
+
+
+def _log_line(record: dict, total: int) -> str:
+    peak = record.get("peak_mem_bytes", 0) / 2**30
+    return (f"step {record['step']}/{total} | loss {record['loss']:.4f} | lr {record.get('lr', 0):.2e} | "
+            f"grad {record.get('grad_norm', float('nan')):.3f} | {record.get('tokens_per_s', 0):,.0f} tok/s | "
+            f"peak {peak:.2f} GiB" + (" | skipped" if record.get("skipped") else ""))
+
+
+def _say(ctx, options, text, bar=None):
+    if ctx.is_main and not options.quiet:
+        if bar is not None:
+            bar.write(text)
+        else:
+            print(text, flush=True)

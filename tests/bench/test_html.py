@@ -1,0 +1,66 @@
+"""The HTML report opened in headless Chromium: it renders, logs no console error, shows its
+three charts, and every number in it equals report.json."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+
+import pytest
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+class _Cells(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.cells, self._open, self.body = [], None, {}
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "body":
+            self.body = attrs
+        if tag == "td" and "data-path" in attrs:
+            self._open = [attrs["data-path"], attrs["data-kind"], ""]
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open[2] += data
+
+    def handle_endtag(self, tag):
+        if tag == "td" and self._open is not None:
+            self.cells.append(tuple(self._open))
+            self._open = None
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (scripts/ci-deps.sh installs it in CI)")
+def test_html_report_renders_in_chromium_and_shows_the_json_numbers(bench_run, tmp_path):
+    from shardfit.bench.report import fmt, get
+
+    page = bench_run["out"] / "report.html"
+    proc = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+         "--virtual-time-budget=3000", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    console = [line for line in proc.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    parser = _Cells()
+    parser.feed(proc.stdout)
+    # The inline script ran after load and every base64 chart decoded into an image.
+    assert parser.body.get("data-images") == "3/3", parser.body
+    report = bench_run["report"]
+    assert len(parser.cells) > 20 * len(report["results"]) // 2
+    for path, kind, text in parser.cells:
+        assert text == fmt(get(report, path), kind), (path, text)
+    assert re.search(r"tiny-llama", proc.stdout)
+    # A figure that must be real: DDP's measured all-reduce, as bytes in the comm table.
+    ddp_index = next(i for i, r in enumerate(report["results"]) if r["strategy"] == "ddp")
+    shown = dict(((p, t) for p, _, t in parser.cells))
+    assert shown[f"results.{ddp_index}.comm.per_kind.all_reduce.bytes"] == \
+        fmt(report["results"][ddp_index]["comm"]["per_kind"]["all_reduce"]["bytes"], "bytes")

@@ -1,0 +1,159 @@
+"""Each config rule: one setup that triggers it and one that doesn't, read from real config files."""
+import json
+
+import pytest
+import yaml
+
+from shardfit.doctor import Context, diagnose
+from shardfit.spec.gpus import get_gpu
+from shardfit.spec.models import load_model_spec
+
+H100 = get_gpu("H100-80GB")
+L8B = load_model_spec("llama-3.1-8b")
+L70B = load_model_spec("llama-3.1-70b")
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if name.endswith((".yaml", ".yml")) else json.dumps(data))
+    return str(path)
+
+
+def rules(paths, **ctx):
+    report = diagnose(paths if isinstance(paths, list) else [paths], Context(**ctx))
+    return {f.rule: f for f in report.findings}
+
+
+def ds(stage=2, micro=1, accum=1, batch=None, precision="bf16", offload=None, nvme=False, **zero):
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+              precision: {"enabled": True} if precision != "fp32" else None,
+              "zero_optimization": {"stage": stage, **zero}}
+    config = {k: v for k, v in config.items() if v is not None}
+    if batch:
+        config["train_batch_size"] = batch
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme" if nvme else "cpu", "nvme_path": "/nvme"}
+        if stage == 3:
+            config["zero_optimization"]["offload_param"] = {"device": "nvme" if nvme else "cpu", "nvme_path": "/nvme"}
+    return config
+
+
+def accel_fsdp(version=1, wrap="TRANSFORMER_BASED_WRAP", sharding="FULL_SHARD", ac=False, machines=1, processes=8,
+               state="SHARDED_STATE_DICT", precision="bf16"):
+    fsdp = {"fsdp_version": version, "fsdp_activation_checkpointing": ac, "fsdp_state_dict_type": state}
+    if wrap:
+        fsdp["fsdp_auto_wrap_policy"] = wrap
+    if version == 1:
+        fsdp["fsdp_sharding_strategy"] = sharding
+    return {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "mixed_precision": precision,
+            "num_machines": machines, "num_processes": processes, "fsdp_config": fsdp}
+
+
+def test_fsdp_without_auto_wrap(tmp_path):
+    assert "fsdp-no-auto-wrap" in rules(write(tmp_path, "a.yaml", accel_fsdp(wrap=None)))
+    assert "fsdp-no-auto-wrap" in rules(write(tmp_path, "b.yaml", accel_fsdp(wrap="NO_WRAP")))
+    assert "fsdp-no-auto-wrap" not in rules(write(tmp_path, "c.yaml", accel_fsdp()))
+
+
+def test_fp16_without_loss_scaling(tmp_path):
+    bad = ds(precision="fp16")
+    bad["fp16"]["loss_scale"] = 1  # a static scale of 1: no scaling at all
+    finding = rules(write(tmp_path, "bad.json", bad))["fp16-no-loss-scaling"]
+    assert finding.severity == "error" and finding.where.endswith("bad.json")
+    assert "fp16-no-loss-scaling" not in rules(write(tmp_path, "ok.json", ds(precision="fp16")))  # 0 = dynamic
+
+
+def test_fp16_where_bf16_is_supported(tmp_path):
+    path = write(tmp_path, "ds.json", ds(precision="fp16"))
+    assert "fp16-where-bf16" in rules(path, gpu=H100)
+    assert "fp16-where-bf16" not in rules(path, gpu=get_gpu("V100-32GB"))  # no bf16 there: fp16 is right
+
+
+def test_no_activation_checkpointing_with_long_sequences(tmp_path):
+    no_ac = write(tmp_path, "no_ac.yaml", accel_fsdp())
+    with_ac = write(tmp_path, "ac.yaml", accel_fsdp(ac=True))
+    # Without sizes: a warning from the sequence length alone.
+    assert rules(no_ac, seq_len=8192)["no-ac-long-seq"].severity == "warning"
+    assert "no-ac-long-seq" not in rules(no_ac, seq_len=1024)
+    assert "no-ac-long-seq" not in rules(with_ac, seq_len=8192)
+    # With sizes: an error when the estimator says it only fits with checkpointing.
+    finding = rules(no_ac, seq_len=8192, model=L8B, gpu=H100, gpus_per_node=8)["no-ac-long-seq"]
+    assert finding.severity == "error" and "GiB with checkpointing" in finding.message
+
+
+def test_bucket_too_large(tmp_path):
+    huge = write(tmp_path, "huge.json", ds(stage=2, reduce_bucket_size=5e8, allgather_bucket_size=5e8))
+    small = write(tmp_path, "small.json", ds(stage=2, reduce_bucket_size=5e7, allgather_bucket_size=5e7))
+    assert "bucket-too-large" in rules(huge, gpu=get_gpu("T4"))  # 2 GB of buffers on a 15 GiB card
+    assert "bucket-too-large" in rules(huge, model=load_model_spec("tiny-llama"))  # bigger than the model
+    assert "bucket-too-large" not in rules(huge, gpu=H100, model=L8B)
+    assert "bucket-too-large" not in rules(small, gpu=get_gpu("T4"))
+
+
+def test_zero3_where_zero2_fits(tmp_path):
+    path = write(tmp_path, "z3.json", ds(stage=3))
+    finding = rules(path, model=L8B, gpu=H100, gpus_per_node=8)["zero3-where-zero2-fits"]
+    assert "stage 2" in finding.fix
+    assert "zero3-where-zero2-fits" not in rules(path, model=L70B, gpu=H100, gpus_per_node=8)
+    assert "zero3-where-zero2-fits" not in rules(path)  # sizes unknown: stay quiet
+
+
+def test_offload_not_needed(tmp_path):
+    path = write(tmp_path, "off.json", ds(stage=3, offload=True))
+    assert "offload-not-needed" in rules(path, model=L8B, gpu=H100, gpus_per_node=8)
+    assert "offload-not-needed" not in rules(path, model=L70B, gpu=get_gpu("A100-40GB"), gpus_per_node=8)
+
+
+def test_full_shard_across_nodes_on_slow_links(tmp_path):
+    multi = write(tmp_path, "multi.yaml", accel_fsdp(machines=4, processes=32))
+    hybrid = write(tmp_path, "hybrid.yaml", accel_fsdp(machines=4, processes=32, sharding="HYBRID_SHARD"))
+    finding = rules(multi, gpu=H100)["full-shard-slow-links"]
+    assert finding.severity == "warning" and "HYBRID_SHARD" in finding.fix
+    assert "full-shard-slow-links" not in rules(hybrid, gpu=H100)
+    assert "full-shard-slow-links" not in rules(write(tmp_path, "one.yaml", accel_fsdp()), gpu=H100)
+    # One node without NVLink: a note, not a warning.
+    assert rules(write(tmp_path, "pcie.yaml", accel_fsdp()), gpu=get_gpu("L40S"))["full-shard-slow-links"].severity == "info"
+
+
+def test_full_state_dict_on_rank0(tmp_path):
+    hf = {"output_dir": "out", "per_device_train_batch_size": 1, "fsdp": True,
+          "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}  # HF's default: FULL_STATE_DICT
+    path = write(tmp_path, "args.json", hf)
+    assert rules(path, model=L70B, gpu=H100)["full-state-dict-rank0"].severity == "error"
+    assert "full-state-dict-rank0" not in rules(path, model=load_model_spec("llama-1b"), gpu=H100)
+    hf["fsdp_config"]["state_dict_type"] = "SHARDED_STATE_DICT"
+    assert "full-state-dict-rank0" not in rules(write(tmp_path, "sharded.json", hf), model=L70B, gpu=H100)
+
+
+def test_batch_mismatch(tmp_path):
+    bad = rules(write(tmp_path, "bad.json", ds(micro=2, accum=4, batch=128)), gpus_per_node=8)["batch-mismatch"]
+    assert "2 x accumulation 4 x 8 GPUs = 64" in bad.message and "accumulation to 8" in bad.fix
+    assert "batch-mismatch" not in rules(write(tmp_path, "ok.json", ds(micro=2, accum=8, batch=128)), gpus_per_node=8)
+    # The world size can come from the accelerate file next to the DeepSpeed JSON.
+    accel = write(tmp_path, "acc.yaml", {"distributed_type": "DEEPSPEED", "num_processes": 16, "num_machines": 2,
+                                         "mixed_precision": "bf16", "deepspeed_config": {"deepspeed_config_file": "ok.json"}})
+    assert "batch-mismatch" in rules([accel], global_batch=128)
+
+
+def test_fsdp1_hybrid_with_shard_group_of_one(tmp_path):
+    bad = accel_fsdp(sharding="HYBRID_SHARD", machines=2, processes=2)  # one GPU per node: groups of 1
+    assert rules(write(tmp_path, "bad.yaml", bad))["fsdp1-hybrid-group-1"].severity == "error"
+    ok = accel_fsdp(sharding="HYBRID_SHARD", machines=2, processes=16)
+    assert "fsdp1-hybrid-group-1" not in rules(write(tmp_path, "ok.yaml", ok))
+    plan = {"model": "tiny-llama", "strategy": {"kind": "fsdp", "sharding": "hybrid_shard", "shard_group_size": 1},
+            "cluster": {"nodes": 2, "gpus_per_node": 1}}
+    assert "fsdp1-hybrid-group-1" in rules(write(tmp_path, "plan.yaml", plan))
+
+
+def test_zero12_nvme_offload(tmp_path):
+    assert "zero12-nvme-offload" in rules(write(tmp_path, "z2.json", ds(stage=2, offload=True, nvme=True)))
+    assert "zero12-nvme-offload" not in rules(write(tmp_path, "z3.json", ds(stage=3, offload=True, nvme=True)))
+    assert "zero12-nvme-offload" not in rules(write(tmp_path, "cpu.json", ds(stage=2, offload=True)))
+
+
+def test_a_clean_plan_has_no_errors(tmp_path):
+    plan = {"model": "llama-3.1-8b", "strategy": {"kind": "zero2"},
+            "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": "full"},
+            "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "H100-80GB"}}
+    report = diagnose([write(tmp_path, "plan.yaml", plan)], Context(gpu=H100))
+    assert report.files[0][1] == "plan" and report.errors == 0

@@ -1,0 +1,73 @@
+"""The configurations the engine tests run, as worker job lists (see worker.py)."""
+from __future__ import annotations
+
+ENGINES = ("ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+STEPS = 5
+# Small DeepSpeed buckets: the defaults (5e8 elements) allocate ~1-2 GB per rank for a tiny model.
+DS_BUCKETS = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_000, "prefetch_bucket_size": 200_000,
+              "param_persistence_threshold": 1000}
+
+
+def plan(engine: str, precision: str = "fp32", ac: str = "none", steps: int = STEPS, grad_accum: int = 1,
+         save_every: int = 0, **strategy) -> dict:
+    strategy = {"kind": engine, **(DS_BUCKETS if engine.startswith("zero") else {}), **strategy}
+    return {"model": "tiny-llama", "strategy": strategy,
+            "training": {"micro_batch": 2, "seq_len": 64, "grad_accum": grad_accum, "precision": precision,
+                         "activation_checkpointing": ac},
+            "schedule": {"steps": steps, "lr": 3e-3, "warmup_steps": 1, "log_every": 100, "eval_every": 0,
+                         "save_every": save_every, "keep_checkpoints": 3, "seed": 11}}
+
+
+def nan_plan(policy: str) -> dict:
+    # AdamW moves every weight by about lr whatever the gradient: lr 1e12 without clipping overflows
+    # the logits on the next forward.
+    data = plan("ddp", steps=4)
+    data["schedule"].update({"lr": 1e12, "grad_clip": 0.0, "warmup_steps": 0, "nan_policy": policy})
+    return data
+
+
+def matrix_jobs(root: str) -> list[dict]:
+    jobs = []
+    for engine in ENGINES:
+        # fp32 without AC is the reference run: it also saves checkpoints, exports and generates.
+        jobs.append({"name": f"{engine}-fp32-none", "plan": plan(engine, save_every=2), "out": f"{root}/{engine}",
+                     "export": f"{root}/{engine}-hf", "logits": True, "generate": True, "count_recompute": True})
+        jobs.append({"name": f"{engine}-resume", "plan": plan(engine, save_every=2), "out": f"{root}/{engine}-resumed",
+                     "resume": f"{root}/{engine}/checkpoints/step-2"})
+        for precision, ac in (("fp32", "full"), ("bf16", "none"), ("bf16", "full")):
+            jobs.append({"name": f"{engine}-{precision}-{ac}", "plan": plan(engine, precision, ac),
+                         "out": f"{root}/{engine}-{precision}-{ac}", "count_recompute": precision == "fp32"})
+    # Breadth: accumulation, FSDP1 hybrid shard, FSDP2 HSDP (2,1) and CPU offload, LoRA, fp16.
+    jobs += [
+        {"name": "ddp-accum2", "plan": plan("ddp", grad_accum=2, steps=3), "out": f"{root}/ddp-accum2"},
+        {"name": "fsdp2-accum2", "plan": plan("fsdp2", grad_accum=2, steps=3), "out": f"{root}/fsdp2-accum2"},
+        {"name": "zero2-accum2", "plan": plan("zero2", grad_accum=2, steps=3), "out": f"{root}/zero2-accum2"},
+        {"name": "fsdp-hybrid", "plan": plan("fsdp", sharding="hybrid_shard", shard_group_size=2),
+         "out": f"{root}/fsdp-hybrid"},
+        {"name": "fsdp2-hsdp", "plan": plan("fsdp2", shard_group_size=1), "out": f"{root}/fsdp2-hsdp"},
+        {"name": "fsdp2-offload", "plan": plan("fsdp2", offload_params="cpu"), "out": f"{root}/fsdp2-offload"},
+        {"name": "fsdp-lora", "plan": {**plan("fsdp"), "training": {**plan("fsdp")["training"],
+                                                                    "lora": {"rank": 4, "base_dtype": "fp32"}}},
+         "out": f"{root}/fsdp-lora"},
+        {"name": "ddp-fp16", "plan": plan("ddp", "fp16"), "out": f"{root}/ddp-fp16"},
+        {"name": "zero2-offload", "plan": plan("zero2", offload_optimizer="cpu"), "out": f"{root}/zero2-offload"},
+        {"name": "zero3-offload", "plan": plan("zero3", offload_optimizer="cpu", offload_params="cpu", save_every=2),
+         "out": f"{root}/zero3-offload"},
+        {"name": "zero3-offload-resume", "plan": plan("zero3", offload_optimizer="cpu", offload_params="cpu", save_every=2),
+         "out": f"{root}/zero3-offload-resumed", "resume": f"{root}/zero3-offload/checkpoints/step-2"},
+        {"name": "ddp-nan-stop", "plan": nan_plan("stop"), "out": f"{root}/nan-stop"},
+        {"name": "ddp-nan-skip", "plan": nan_plan("skip"), "out": f"{root}/nan-skip"},
+        {"name": "fsdp2-fp16", "plan": plan("fsdp2", "fp16"), "out": f"{root}/fsdp2-fp16"},
+    ]
+    return jobs
+
+
+def single_rank_jobs(root: str, matrix_root: str) -> list[dict]:
+    """One process: the reference loss (accumulating the two ranks' micro-batches) and DCP 2 -> 1."""
+    return [
+        {"name": "single-ddp-accum2", "plan": plan("ddp", grad_accum=2), "out": f"{root}/single"},
+        {"name": "fsdp2-2to1", "plan": plan("fsdp2", grad_accum=2, save_every=2), "out": f"{root}/2to1",
+         "resume": f"{matrix_root}/fsdp2/checkpoints/step-2"},
+        {"name": "ddp-from-fsdp2-2to1", "plan": plan("ddp", grad_accum=2, save_every=2), "out": f"{root}/2to1-ddp",
+         "resume": f"{matrix_root}/fsdp2/checkpoints/step-2"},
+    ]

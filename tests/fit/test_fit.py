@@ -1,0 +1,125 @@
+"""fit on the presets: every plan it returns fits by the estimator's own word, results are stable and
+explained, the field's order holds (bf16, accumulation, offload last), and "nothing fits" says what would."""
+import subprocess
+import sys
+
+import pytest
+
+from shardfit.errors import ShardfitError
+from shardfit.estimate.estimator import estimate
+from shardfit.fit import FitRequest, fit
+from shardfit.fit.families import families
+from shardfit.spec.gpus import get_gpu
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import LoRA
+
+CASES = [  # (model, gpu, gpus per node, nodes, seq, global batch)
+    ("llama-3.1-8b", "H100-80GB", 8, 1, 4096, 512),
+    ("llama-3.1-8b", "H100-80GB", 8, 4, 4096, 512),
+    ("llama-3.1-70b", "A100-80GB", 8, 2, 4096, 256),
+    ("mixtral-8x7b", "H100-80GB", 8, 1, 2048, 64),
+    ("llama-2-7b", "V100-32GB", 8, 1, 2048, 64),
+    ("gpt2-xl", "A10G", 4, 1, 1024, 32),
+]
+
+
+@pytest.mark.parametrize("model,gpu,gpus,nodes,seq,batch", CASES)
+def test_every_returned_plan_fits_and_every_family_is_explained(model, gpu, gpus, nodes, seq, batch):
+    request = FitRequest(model=load_model_spec(model), gpu=gpu, gpus_per_node=gpus, nodes=nodes, seq_len=seq,
+                         global_batch=batch)
+    result = fit(request)
+    assert result.best is not None
+    device = get_gpu(gpu)
+    for candidate in (result.best, *result.alternatives):
+        plan = candidate.plan
+        est = estimate(plan)
+        assert est.fits(device.memory_bytes, 0.10), candidate.label  # the estimator itself agrees
+        assert plan.global_batch == batch  # accumulation keeps the global batch
+        assert plan.training.seq_len == seq
+        assert candidate.time.total_s >= result.best.time.total_s * 0.98  # the best is (about) the fastest
+    explained = {r.family for r in result.rejected} | {result.best.family}
+    expected = {f.label for f in families(gpus, nodes, request.model.hidden_size)}
+    assert explained == expected  # each family is the winner or has a reason
+    assert all(r.reason for r in result.rejected)
+    again = fit(request)  # stable: same answer, same words
+    assert again.best.plan == result.best.plan and again.rejected == result.rejected
+
+
+def test_precision_follows_the_hardware():
+    model = load_model_spec("llama-2-7b")
+    h100 = fit(FitRequest(model=model, gpu="H100-80GB", gpus_per_node=8, seq_len=2048, global_batch=64))
+    v100 = fit(FitRequest(model=model, gpu="V100-32GB", gpus_per_node=8, seq_len=2048, global_batch=64))
+    assert h100.best.plan.training.precision == "bf16"
+    assert v100.best.plan.training.precision == "fp16" and v100.best.plan.training.loss_scaling is True
+    assert any("no bf16" in n for n in v100.notes)
+
+
+def test_offload_only_when_nothing_else_fits():
+    small = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
+                           global_batch=64))
+    assert not (small.best.plan.strategy.offload_optimizer or small.best.plan.strategy.offload_params)
+    offload_reasons = [r.reason for r in small.rejected if "offload" in r.family]
+    assert offload_reasons and all(r.startswith("not needed") for r in offload_reasons)
+    big = fit(FitRequest(model=load_model_spec("llama-3.1-70b"), gpu="A100-40GB", gpus_per_node=8, seq_len=2048,
+                         global_batch=64))
+    assert big.best is not None and (big.best.plan.strategy.offload_params or big.best.plan.strategy.offload_optimizer)
+    assert any("host RAM" in n for n in big.notes)
+    # A host RAM limit rules out plans whose offloaded state doesn't fit there.
+    capped = fit(FitRequest(model=load_model_spec("llama-3.1-70b"), gpu="A100-40GB", gpus_per_node=8, seq_len=2048,
+                            global_batch=64, host_memory_gib=64))
+    assert capped.best is None or capped.best.family == "zero3+offload-nvme"
+
+
+def test_hybrid_sharding_wins_across_nodes_on_slow_links():
+    result = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, nodes=4,
+                            seq_len=4096, global_batch=512))
+    assert "hybrid" in result.best.family
+    zero3 = next(r for r in result.rejected if r.family == "zero3")
+    assert "inter-node network" in zero3.reason and "hybrid" in zero3.reason
+
+
+def test_lora_makes_a_big_model_cheaper():
+    model = load_model_spec("llama-3.1-70b")
+    full = fit(FitRequest(model=model, gpu="A100-80GB", gpus_per_node=8, seq_len=2048, global_batch=64))
+    lora = fit(FitRequest(model=model, gpu="A100-80GB", gpus_per_node=8, seq_len=2048, global_batch=64,
+                          lora=LoRA(rank=16)))
+    assert lora.best.plan.training.lora.rank == 16
+    assert lora.best.time.total_s < full.best.time.total_s
+
+
+def test_nothing_fits_says_what_would():
+    # FSDP only, and a host too small for offload: 70B doesn't fit on one node of H100s.
+    result = fit(FitRequest(model=load_model_spec("llama-3.1-70b"), gpu="H100-80GB", gpus_per_node=8, seq_len=4096,
+                            global_batch=64, engines=("fsdp",), host_memory_gib=64))
+    assert result.best is None and not result.alternatives
+    text = "\n".join(result.suggestions)
+    assert "nothing fits" in result.suggestions[0]
+    assert "more GPUs: 32 (4 nodes x 8) with fsdp2" in text and "--nodes 4" in text
+    assert "LoRA: --lora-r 16" in text
+    assert "zero3" not in text  # suggestions stay within the engines asked for
+    assert all(r.reason.startswith("does not fit") for r in result.rejected)
+    assert any("host RAM" in r.reason for r in result.rejected if "offload" in r.family)
+    # Activations that outgrow any GPU count: a shorter sequence is what helps.
+    long = fit(FitRequest(model=load_model_spec("llama-3.1-405b"), gpu="RTX-4090", gpus_per_node=1, seq_len=8192,
+                          global_batch=8))
+    assert long.best is None and any(s.startswith("shorter sequence: --seq") for s in long.suggestions)
+
+
+def test_bad_requests_are_one_line_errors():
+    model = load_model_spec("tiny-llama")
+    with pytest.raises(ShardfitError, match="not a multiple of the 8 GPUs: use 96 or 104"):
+        fit(FitRequest(model=model, gpus_per_node=8, global_batch=100))
+    with pytest.raises(ShardfitError, match="margin"):
+        fit(FitRequest(model=model, margin=1.5))
+    with pytest.raises(ShardfitError, match="unknown GPU"):
+        fit(FitRequest(model=model, gpu="H1000"))
+
+
+def test_405b_on_1024_gpus_answers_in_under_a_second_without_torch():
+    code = ("import sys, time\nfrom shardfit.spec.models import load_model_spec\nfrom shardfit.fit import FitRequest, fit\n"
+            "m = load_model_spec('llama-3.1-405b')\nt = time.perf_counter()\n"
+            "r = fit(FitRequest(model=m, gpu='H100-80GB', gpus_per_node=8, nodes=128, seq_len=8192, global_batch=2048))\n"
+            "print(time.perf_counter() - t, 'torch' in sys.modules, r.best is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    seconds, torch_loaded, found = out.split()
+    assert float(seconds) < 1.0 and torch_loaded == "False" and found == "True"

@@ -1,0 +1,56 @@
+"""`shardfit profile`: a real 2-rank run from flags, JSON and chart; a user's script; bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch import shardfit
+
+pytest.importorskip("torch")
+DATA = Path(__file__).parent / "data"
+
+
+def test_profile_flags_json_chart_and_text(tmp_path):
+    chart = tmp_path / "profile.png"
+    done = shardfit("profile", "--model", "tiny-gpt2", "--strategy", "fsdp2", "--precision", "bf16", "--seq", "32",
+                    "--ac", "full", "--checkpoint", "--json", "--chart", str(chart), timeout=300)
+    result = json.loads(done.stdout)
+    measured = result["measured"]
+    assert set(measured) == {"load", "forward", "backward", "optimizer", "checkpoint"}
+    assert measured["forward"]["activations"] > 0 and measured["optimizer"]["grads"] > 0
+    assert len(result["report"]["ranks"]) == 2
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if result["estimate"] is not None:
+        from shardfit.measure.compare import format_comparison
+
+        text = format_comparison(result["comparison"])
+        assert "measured" in text and "predicted" in text and "peak:" in text
+        assert result["comparison"]["forward"]["params"]["error"] == pytest.approx(0, abs=0.02)
+
+
+def test_profile_script_reports_every_rank(tmp_path):
+    width = 256
+    done = shardfit("profile", "--script", str(DATA / "user_train.py"), "--json", "--", "--steps", "2",
+                    "--width", str(width), timeout=300)
+    result = json.loads(done.stdout)
+    assert result["world_size"] == 2
+    n = 2 * (width * 4 * width) + 4 * width + width
+    forward = result["phases"]["forward"]
+    assert forward["params"] == 4 * n  # discovered through the first forward, inside DDP
+    assert forward["optimizer"] == 8 * n + 4 * 4  # AdamW moments + four step scalars
+    assert result["phases"]["optimizer"]["grads"] == 4 * n
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "zero9"], "unknown strategy"),
+    (["no-such-plan.yaml"], "not found"),
+    (["--script", "missing.py"], "not found"),
+    (["--budget", "-5"], "budget"),
+])
+def test_bad_input_is_one_line(args, message):
+    done = shardfit("profile", *args, check=False, timeout=60)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
