@@ -65,6 +65,14 @@ def test_options_change_the_numbers():
     assert offload["host_bytes"] > 0 and offload["category_peak"]["optimizer"] == 0
 
 
+def test_plan_path_never_imports_torch():
+    import sys
+    code = ("import sys; from shardfit.cli import main; main(['plan', 'llama-3.1-405b', '--gpus', '1024', '--explain']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('NO-TORCH')")
+    from launch import run
+    assert "NO-TORCH" in run([sys.executable, "-c", code]).stdout
+
+
 def test_plan_file_round_trip(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text("model: tiny-llama\nstrategy: {kind: zero2}\ntraining: {micro_batch: 2, seq_len: 128}\n"

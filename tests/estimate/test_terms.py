@@ -97,8 +97,11 @@ def test_temporaries_terms():
     assert tmp.zero3_live_param_bytes(10**9, 5 * 10**7, 10**9, 2) == 2 * 10**9  # capped by max_live
     assert tmp.zero3_live_param_bytes(10**6, 5 * 10**7, 10**9, 2) == 2 * (10**6 + 5 * 10**7)
     assert tmp.ddp_bucket_bytes(100, bucket_view=True) == 0 and tmp.ddp_bucket_bytes(100, bucket_view=False) == 100
-    assert tmp.optimizer_step_temp_bytes("adamw", True, 1000, 4, 10) == 4000  # foreach: one copy of every state
-    assert tmp.optimizer_step_temp_bytes("adamw", False, 1000, 4, 10) == 80  # single tensor: 2 x largest
+    assert tmp.optimizer_step_temp_bytes("adamw", "foreach", 1000, 4, 10) == 4000  # one copy of every state
+    assert tmp.optimizer_step_temp_bytes("adamw", "single", 1000, 4, 10) == 80  # 2 x the largest tensor
+    assert tmp.optimizer_step_temp_bytes("adamw", "fused", 1000, 4, 10) == 0
+    assert tmp.reduce_scatter_bytes(1000, 8, 4, input_copy=True) == 4000 + 500
+    assert tmp.reduce_scatter_bytes(1000, 8, 2, input_copy=False) == 250
     assert tmp.checkpoint_save_bytes("sharded", 10, 4) == 0 and tmp.checkpoint_save_bytes("full", 10, 4) == 40
 
 
@@ -139,6 +142,20 @@ def test_grad_accumulation_keeps_grads_through_forward():
     assert many.phases["forward"]["grads"] == many.phases["backward"]["grads"] > 0
 
 
+def test_optimizer_impl_and_reduce_dtype():
+    auto = estimate(plan(BIG, "fsdp2", gpus=8), explain=True)
+    assert auto.term("temporaries.optimizer_step").bytes == int(BIG.n_params / 8) * 4  # foreach on CUDA
+    cpu = estimate(plan(BIG, "fsdp2", gpus=8), device="cpu", explain=True)
+    # Single-tensor AdamW (shardfit's engines, CPU): sqrt + div of the largest shard at a time.
+    assert cpu.term("temporaries.optimizer_step").bytes == 2 * 4 * (BIG.largest_layer_params // 8 + 1)
+    ds = estimate(plan(BIG, "zero2", gpus=8), explain=True)
+    assert ds.term("temporaries.optimizer_step").bytes == int(BIG.n_params / 8) * 2  # FusedAdam: flatten only
+    # FSDP reduces in fp32 under MixedPrecision: an fp32 copy of the unit's grad plus the fp32 shard.
+    assert auto.term("temporaries.fsdp_reduce_scatter").bytes == int(4 * BIG.block_params + 4 * BIG.block_params / 8)
+    with pytest.raises(Exception, match="optimizer_impl"):
+        estimate(plan(BIG), optimizer_impl="magic")
+
+
 def test_checkpoint_full_consolidates_on_host():
     est = estimate(plan(BIG, "fsdp2"), checkpoint="full")
     assert est.host["checkpoint_consolidation"] == BIG.n_params * (4 + 8)
@@ -173,3 +190,12 @@ def test_explain_terms_have_formula_inputs_and_source():
     assert est.assumptions
     fast = estimate(plan(BIG, "zero3", seq_len=2048))
     assert fast.terms == () and fast.phases == est.phases
+
+
+def test_warnings_for_whole_model_units_and_host_ram():
+    est = estimate(params_plan(7.5e9, "fsdp:full_shard", 64))
+    assert any("one unit" in w for w in est.warnings)
+    tight = plan(BIG, "zero3+offload", gpus=8).with_changes(cluster={"host_memory_gib": 64.0})
+    assert any("host RAM" in w for w in estimate(tight).warnings)
+    roomy = plan(BIG, "zero3+offload", gpus=8).with_changes(cluster={"host_memory_gib": 2048.0})
+    assert not estimate(roomy).warnings

@@ -96,3 +96,9 @@ print(sorted(m for m in ("torch", "deepspeed", "transformers", "accelerate") if 
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_verify_refuses_a_plan_this_machine_cannot_hold(tmp_path):
+    target = tmp_path / "plan.yaml"
+    err = one_line_error(shardfit("fit", "llama-3.1-8b", "--gpus", "8", "--verify", "-o", str(target), check=False))
+    assert "--verify would need" in err and "verify on the target GPUs" in err and not target.exists()

@@ -36,8 +36,9 @@ def comm_theory(plan) -> dict:
     # fp32 grads) and FSDP2 (reduce_dtype fp32), in 16-bit by FSDP1 MixedPrecision and DeepSpeed.
     grad_bytes = 4 if t.precision == "fp32" or (kind in ("ddp", "fsdp2") and t.precision != "bf16-pure") else sixteen
     persistent = _persistent_params(plan) if kind == "zero3" else 0
+    root = plan.model.non_block_params if kind in ("fsdp", "fsdp2") else 0
     return theoretical_comm(plan.strategy, plan.model.n_params, grad_bytes=grad_bytes, param_bytes=sixteen,
-                            persistent_params=persistent)
+                            root_params=root, persistent_params=persistent)
 
 
 def _persistent_params(plan) -> int:

@@ -139,9 +139,9 @@ def theoretical_comm(strategy, n_params: int, *, grad_bytes: int, param_bytes: i
     """Ideal bytes per step and rank by kind, ZeRO-paper convention (see module docstring).
 
     grad_bytes / param_bytes: bytes per element of the reduced gradients and gathered parameters.
-    root_params: FSDP root-unit parameters, which FSDP keeps gathered between forward and backward.
+    root_params: FSDP root-unit parameters (embeddings, final norm, head), which FSDP1 and FSDP2 keep
+        gathered between forward and backward (they are needed again at once).
     persistent_params: ZeRO-3 parameters under `param_persistence_threshold`, never partitioned.
-    FSDP2 re-gathers its root in backward too (measured, torch 2.13); FSDP1 keeps the root gathered.
     Each entry of `by_kind` is the full buffer size; `volume_bytes` counts an all-reduce twice.
     """
     grads = n_params * grad_bytes

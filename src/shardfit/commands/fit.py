@@ -29,6 +29,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top", type=int, default=3, help="alternatives to show (default 3)")
     parser.add_argument("--steps", type=int, help="training steps to write into the plan")
     parser.add_argument("-o", "--output", help="write the best plan to this YAML/JSON file (for emit/train)")
+    parser.add_argument("--verify", action="store_true",
+                        help="run the chosen plan for a few real steps on the devices here (2 CPU ranks without GPUs) "
+                             "and correct the memory prediction from the measurement")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -66,14 +69,26 @@ def run(args) -> int:
     from shardfit.fit.report import format_text, to_json
 
     result = fit(request_from_args(args))
-    if args.output and result.best is not None:
+    checked = None
+    if args.verify and result.best is not None:
+        from shardfit.fit.verify import verify
+        checked = verify(result)
+    ok = result.fits and (checked is None or checked.fits)
+    if args.output and ok:
         from shardfit.spec.planfile import dump_plan
         dump_plan(result.best.plan, args.output)
     if args.json:
-        print(json.dumps(to_json(result), indent=2))
+        data = to_json(result)
+        if checked is not None:
+            data["verify"] = {"ranks": checked.ranks, "device": checked.device, "measured_bytes": checked.measured_bytes,
+                              "predicted_bytes": checked.predicted_bytes, "corrected_bytes": checked.corrected_bytes,
+                              "fits": checked.fits}
+        print(json.dumps(data, indent=2))
     else:
         print(format_text(result))
-        if args.output and result.best is not None:
+        if checked is not None:
+            print(checked.line())
+        if args.output and ok:
             print(f"wrote {args.output}: next `shardfit emit {args.output} --format deepspeed|fsdp2|...` "
                   f"or `shardfit train {args.output}`", file=sys.stderr)
-    return 0 if result.fits else 1
+    return 0 if ok else 1

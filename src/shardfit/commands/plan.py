@@ -39,6 +39,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid shard group size (default GPUs per node)")
     parser.add_argument("--accounting", default="real", help="real (default) | ideal (ZeRO paper) | deepspeed (its estimator)")
     parser.add_argument("--device", default="cuda", help="cuda (default) | cpu (no CUDA context/NCCL/margin; CPU optimizer)")
+    parser.add_argument("--optimizer-impl", default="auto",
+                        help="auto (CUDA: foreach for torch, fused for DeepSpeed; cpu: single-tensor) | foreach | single | fused")
     parser.add_argument("--checkpoint", default="sharded", help="checkpoint save: sharded (default) | full (rank-0 consolidation)")
     parser.add_argument("--json", action="store_true", help="print the stable JSON document (docs/plan.md)")
     parser.add_argument("--explain", action="store_true", help="print every term's formula, inputs and source")
@@ -138,7 +140,8 @@ def strategies_for(args, plan):
     base = plan.strategy
     knobs = {f: getattr(base, f) for f in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
                                            "param_persistence_threshold", "max_live_parameters", "overlap_comm",
-                                           "ddp_bucket_cap_mb", "wrap_unit", "backward_prefetch",
+                                           "ddp_bucket_cap_mb", "ddp_gradient_as_bucket_view", "wrap_unit",
+                                           "backward_prefetch",
                                            "shard_group_size")}
     if args.strategy:
         names = [n.strip() for item in args.strategy for n in item.split(",") if n.strip()]
@@ -162,13 +165,14 @@ def strategies_for(args, plan):
 
 
 def run(args) -> int:
-    from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, estimate
+    from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, OPTIMIZER_IMPLS, estimate
     from shardfit.estimate import report
     from shardfit.spec.gpus import get_gpu
     from shardfit.spec.plan import validate_plan
 
     for value, choices, flag in ((args.accounting, ACCOUNTING, "--accounting"), (args.device, DEVICES, "--device"),
-                                 (args.checkpoint, CHECKPOINT_MODES, "--checkpoint")):
+                                 (args.checkpoint, CHECKPOINT_MODES, "--checkpoint"),
+                                 (args.optimizer_impl, OPTIMIZER_IMPLS, "--optimizer-impl")):
         if value not in choices:
             raise ShardfitError(f"{flag} '{value}' is not known: use one of {', '.join(choices)}")
     if args.offload and args.offload.strip().lower() == "nvme" and not args.nvme_path:
@@ -181,14 +185,14 @@ def run(args) -> int:
         try:
             warnings = validate_plan(candidate)
             est = estimate(candidate, accounting=args.accounting, device=args.device, checkpoint=args.checkpoint,
-                           explain=True)
+                           optimizer_impl=args.optimizer_impl, explain=True)
         except ShardfitError as exc:
             if explicit:
                 raise
             skipped.append((strategy.label, str(exc)))
             continue
         if warnings:
-            est = replace(est, warnings=tuple(warnings))
+            est = replace(est, warnings=tuple(warnings) + est.warnings)
         rows.append((strategy.label, est))
     if not rows:
         raise ShardfitError(f"no strategy is valid for this plan: {skipped[0][0]}: {skipped[0][1]}")

@@ -94,6 +94,10 @@ def from_deepspeed(d: dict) -> dict:
     return facts
 
 
+# Calls that turn activation checkpointing on from a training script.
+_AC_CALLS = ("gradient_checkpointing_enable", "activation_checkpointing_enable", "apply_activation_checkpointing",
+             "checkpoint_wrapper", "torch.utils.checkpoint")
+
 _FSDP_STRATEGIES = {"1": "full_shard", "2": "shard_grad_op", "3": "no_shard", "4": "hybrid_shard",
                     "full_shard": "full_shard", "shard_grad_op": "shard_grad_op", "no_shard": "no_shard",
                     "hybrid_shard": "hybrid_shard", "_hybrid_shard_zero2": "hybrid_shard"}
@@ -238,9 +242,13 @@ def read_file(path: str | Path) -> tuple[str, dict]:
                             "a plan, or a .py script)")
     if path.suffix == ".py":
         try:
-            return "python", {"sources": ((str(path), path.read_text()),)}
+            text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise ShardfitError(f"cannot read {path}: {exc}") from None
+        facts: dict = {"sources": ((str(path), text),)}
+        if any(name in text for name in _AC_CALLS):
+            facts["activation_checkpointing"] = True
+        return "python", facts
     data = _load_yaml(path) if path.suffix in (".yaml", ".yml") else _load_json(path)
     if "distributed_type" in data or "compute_environment" in data:
         return "accelerate", from_accelerate(data, path)
@@ -269,7 +277,10 @@ def read_setup(paths) -> tuple[Setup, list[tuple[str, str]]]:
         for name, value in facts.items():
             if value is None or value == ():
                 continue
-            if name not in values:
+            if name == "activation_checkpointing" and value and values.get(name) is False:
+                values[name] = True  # enabled in any file (often the script) means enabled
+                where.append((name, str(path)))
+            elif name not in values:
                 values[name] = value
                 where.append((name, str(path)))
     known = {f.name for f in fields(Setup)}

@@ -128,7 +128,9 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(SEED)  # the same initial weights on every rank
-    model = build_model().to(device)
+    # Built in host RAM; sharding moves one unit at a time to the device, so the GPU never holds the
+    # whole model. For models too big for host RAM per rank, build on the meta device (torchtitan).
+    model = build_model()
     if AC_EVERY:
         apply_activation_checkpointing(model)
     model = shard(model, device, world)

@@ -88,7 +88,8 @@ def _profile(model, regime, attention, lora, device) -> Profile:
         """Bytes a tensor costs through the linears that read it."""
         shared = already_saved
         for name in consumers:
-            targeted = all_linear or name in targets
+            # PEFT all-linear skips the output layer; the MoE router is not an nn.Linear.
+            targeted = (all_linear and name not in ("lm_head", "router")) or name in targets
             if trains:
                 if regime == "autocast" and dtype == 4:
                     add(f"{label}.bf16_cast_for_{name}", 2 * width)

@@ -23,6 +23,7 @@ from shardfit.estimate.deepspeed_reference import zero2_model_states, zero3_mode
 from shardfit.estimate.result import Estimate, Term
 
 ACCOUNTING = ("real", "ideal", "deepspeed")
+OPTIMIZER_IMPLS = ("auto", "foreach", "single", "fused")
 CHECKPOINT_MODES = ("sharded", "full")
 DEVICES = ("cuda", "cpu")
 
@@ -73,10 +74,16 @@ def shard_degree(plan) -> int:
 
 
 def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint: str = "sharded",
-             explain: bool = False) -> Estimate:
-    """Per-rank device bytes by phase and category for a (validated) plan."""
+             optimizer_impl: str = "auto", explain: bool = False) -> Estimate:
+    """Per-rank device bytes by phase and category for a (validated) plan.
+
+    device "cpu" drops the CUDA-only overhead and uses the CPU kernels' dtypes (dropout masks).
+    optimizer_impl "auto": torch's CUDA default (foreach) for DDP/FSDP and FusedAdam for DeepSpeed on
+    cuda; the single-tensor loop on cpu (what `shardfit train` runs: foreach=False everywhere)."""
     if accounting not in ACCOUNTING:
         raise ShardfitError(f"accounting '{accounting}' is not known: use one of {', '.join(ACCOUNTING)}")
+    if optimizer_impl not in OPTIMIZER_IMPLS:
+        raise ShardfitError(f"optimizer_impl '{optimizer_impl}' is not known: use one of {', '.join(OPTIMIZER_IMPLS)}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ShardfitError(f"checkpoint '{checkpoint}' is not known: use sharded or full")
     model, s, t, c = plan.model, plan.strategy, plan.training, plan.cluster
@@ -143,7 +150,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     lp = 4 if precision == "fp32" else 2
     host: dict[str, int] = {}
     nvme = 0
-    persist_t = fwd_t = bwd_t = opt_t = ckpt_t = 0
+    persist_t = fwd_t = bwd_t = opt_t = ckpt_t = bwd_end_extra = 0
     grads_persist = grads_full = grads_step = 0
     use_ds = accounting == "deepspeed" and kind in ("zero2", "zero3")
     if accounting == "ideal" or (accounting == "deepspeed" and not use_ds):
@@ -195,7 +202,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         persistent = sts.zero3_persistent_params(model, s.param_persistence_threshold) if kind == "zero3" else 0
         engine = "fsdp" if kind in ("fsdp", "fsdp2") else kind
         st = sts.model_states(engine, shard, world, precision, optimizer, trained, frozen_bytes, factored,
-                              s.offload_optimizer, s.offload_params, persistent, largest, explain)
+                              s.offload_optimizer, s.offload_params, persistent, largest, explain,
+                              s.ddp_gradient_as_bucket_view)
         params, opt = st.params, st.optimizer
         grads_persist, grads_full, grads_step = st.grads_persistent, st.grads_full, st.grads_step
         host.update(st.host)
@@ -203,7 +211,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         if explain:
             for name, value, formula, inputs, source in st.terms:
                 term(f"states.{name}", value, formula, inputs, source)
-        foreach = device == "cuda"
+        impl = optimizer_impl
+        if impl == "auto":
+            impl = "single" if device == "cpu" else ("fused" if kind.startswith("zero") else "foreach")
         if kind in ("fsdp", "fsdp2"):
             reshard = (s.sharding != "shard_grad_op") if kind == "fsdp" else s.reshard_after_forward
             root_b = tmp.root_unit_bytes(root, gather_bytes)
@@ -215,10 +225,17 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                 units_b = tmp.all_units_gathered_bytes(model.n_params - root, gather_bytes)
             grad_b = tmp.unsharded_grad_bytes(unit, gather_bytes)
             root_grad_b = tmp.unsharded_grad_bytes(root, gather_bytes)
-            rs_b = tmp.reduce_scatter_bytes(unit, shard, lp, st.state_bytes)
+            # The root's head grad exists from the start of backward, its embedding grad only at the end.
+            embed = 0 if model.tie_embeddings or not root else min(root, model.vocab_size * model.hidden_size)
+            bwd_end_extra = tmp.unsharded_grad_bytes(embed, gather_bytes)
+            root_grad_b -= bwd_end_extra
+            # shardfit's engines reduce in fp32 under MixedPrecision (reduce_dtype=float32).
+            reduce_b = 4 if precision in ("bf16", "fp16", "fp32") else 2
+            rs_b = tmp.reduce_scatter_bytes(unit, shard, reduce_b, kind == "fsdp2" or reduce_b != gather_bytes)
             fwd_t = root_b + units_b
             bwd_t = root_b + units_b + grad_b + root_grad_b + rs_b
-            opt_t = tmp.optimizer_step_temp_bytes(optimizer, foreach, st.trained_per_rank, st.state_bytes, largest // shard + 1)
+            opt_t = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes,
+                                                  (largest if kind == "fsdp2" else unit) // shard + 1)
             ckpt_t = tmp.checkpoint_save_bytes(checkpoint, max(unit, root), st.state_bytes)
             if explain:
                 term("temporaries.fsdp_root_unit", root_b, "non_block_params*gather_bytes",
@@ -228,19 +245,24 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                      "2*unit*gather_bytes" if reshard else "(P - root)*gather_bytes",
                      {"unit": unit, "gather_bytes": gather_bytes, "reshard_after_forward": reshard},
                      "FSDP all-gather of the current unit plus the prefetched one")
-                term("temporaries.fsdp_unsharded_grads", grad_b + root_grad_b, "(unit + root)*gather_bytes",
-                     {"unit": unit, "root": root}, "FSDP backward: full grads before reduce-scatter")
+                term("temporaries.fsdp_unsharded_grads", grad_b + root_grad_b + bwd_end_extra,
+                     "(unit + root)*gather_bytes (the embedding's part only at the end of backward)",
+                     {"unit": unit, "root": root, "embedding": embed}, "FSDP backward: full grads before reduce-scatter")
                 term("temporaries.fsdp_reduce_scatter", rs_b, "unit/S*(reduce + sharded grad bytes)",
                      {"unit": unit, "S": shard}, "FSDP reduce-scatter output and its cast")
                 if s.offload_params:
                     notes.append("FSDP CPU offload: sharded params, grads and optimizer live in pinned host RAM; the step runs on CPU")
         elif kind == "ddp":
-            bucket = tmp.ddp_bucket_bytes(st.grads_full, bucket_view=True)
+            view = s.ddp_gradient_as_bucket_view
+            bucket = tmp.ddp_bucket_bytes(st.grads_full, bucket_view=view)
             persist_t = bucket
-            opt_t = tmp.optimizer_step_temp_bytes(optimizer, foreach, st.trained_per_rank, st.state_bytes, largest)
+            opt_t = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, largest)
+            fwd_t, bwd_t, ckpt_t = bucket, bucket, bucket
+            opt_t += bucket
             if explain:
-                notes.append("DDP with gradient_as_bucket_view=True: grads are views into the reducer's "
-                             f"{s.ddp_bucket_cap_mb:g} MiB buckets and stay allocated between steps")
+                term("temporaries.ddp_buckets", bucket, "grad bytes (0 with gradient_as_bucket_view)",
+                     {"gradient_as_bucket_view": view, "bucket_cap_mb": s.ddp_bucket_cap_mb},
+                     "torch DDP Reducer: flat buckets covering every gradient, allocated at wrap time")
         else:
             part = trained / world
             if kind == "zero3":
@@ -250,6 +272,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                 persist_t = bucket
                 fwd_t = bucket + live
                 bwd_t = bucket + live + mod_grad
+                if not s.offload_optimizer:
+                    sub = min(int(part), sts.ZERO3_SUB_GROUP_SIZE)
+                    opt_t = tmp.optimizer_step_temp_bytes(optimizer, impl, sub, 4, sub)
                 if explain:
                     term("temporaries.zero3_ipg_bucket", bucket, "reduce_bucket_size*lp",
                          {"reduce_bucket_size": s.reduce_bucket_size, "lp": lp}, "deepspeed stage3.py __init__")
@@ -264,6 +289,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                 flat = tmp.zero_step_flatten_bytes(part, lp) if not s.offload_optimizer else 0
                 bwd_t = bucket
                 opt_t = flat
+                if not s.offload_optimizer:
+                    # One flat fp32 partition is the optimizer's only "parameter".
+                    opt_t += tmp.optimizer_step_temp_bytes(optimizer, impl, int(part), 4, int(part))
                 if s.offload_optimizer:
                     gbuf = tmp.zero_offload_grad_buffer_bytes(largest, lp)
                     persist_t = gbuf
@@ -281,10 +309,10 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             bwd_t = max(bwd_t, persist_t) if kind == "zero3" else bwd_t + persist_t
             opt_t += persist_t
             ckpt_t = persist_t
-        if explain and opt_t:
-            term("temporaries.optimizer_step", opt_t - (persist_t if kind.startswith("zero") else 0),
-                 "foreach AdamW: trained_on_rank*state_bytes; single-tensor: 2*largest*state_bytes",
-                 {"optimizer": optimizer, "foreach": foreach, "trained_on_rank": st.trained_per_rank},
+        if explain:
+            term("temporaries.optimizer_step", opt_t - persist_t,
+                 "foreach AdamW: trained_on_rank*state_bytes; single-tensor: 2*largest*state_bytes; fused: 0",
+                 {"optimizer": optimizer, "impl": impl, "trained_on_rank": st.trained_per_rank},
                  "torch.optim _multi_tensor_adamw / _single_tensor_adamw; DeepSpeed step buffers")
         if dequant:
             fwd_t += dequant
@@ -309,8 +337,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     inside = (a_blocks + a_logits + recompute, grads_persist, bwd_t + bwd_work)
     if inside[0] + inside[1] + inside[2] > acts_b + grads_b + temps_b:
         acts_b, grads_b, temps_b = inside
-    if a_logits + grads_full + bwd_t > acts_b + grads_b + temps_b:
-        acts_b, grads_b, temps_b = a_logits, grads_full, bwd_t
+    if a_logits + grads_full + bwd_t + bwd_end_extra > acts_b + grads_b + temps_b:
+        acts_b, grads_b, temps_b = a_logits, grads_full, bwd_t + bwd_end_extra
     backward = {"params": params, "grads": grads_b, "optimizer": opt, "activations": acts_b, "temporaries": temps_b}
     phases = {
         "load": {"params": params, "grads": grads_persist, "optimizer": opt, "activations": 0, "temporaries": persist_t},
@@ -338,8 +366,17 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         term("overhead.allocator_margin", overhead["allocator_margin"], f"{ovh.ALLOCATOR_MARGIN:g} * tensor peak",
              {"tensor_peak": peak}, "caching-allocator fragmentation")
         notes.extend(_assumptions(plan, regime, shard, accounting, device, checkpoint, base))
+    warnings = ()
+    if kind in ("fsdp", "fsdp2") and not model.block_params and accounting == "real" and shard > 1:
+        warnings += ("FSDP without a block size wraps the whole model as one unit: every rank gathers all of it; "
+                     "give --largest-layer or a model with shapes",)
+    if c.host_memory_gib and host:
+        per_node = sum(host.values()) * c.gpus_per_node
+        if per_node > c.host_memory_gib * 1024**3:
+            warnings += (f"host RAM: {per_node / 1024**3:.1f} GiB per node needed, {c.host_memory_gib:g} GiB available",)
     return Estimate(strategy=s.label, phases=phases, overhead=overhead, host=host, nvme_bytes=int(nvme),
-                    terms=tuple(terms) if explain else (), assumptions=tuple(notes) if explain else ())
+                    terms=tuple(terms) if explain else (), assumptions=tuple(notes) if explain else (),
+                    warnings=warnings)
 
 
 def _assumptions(plan, regime, shard, accounting, device, checkpoint, base) -> list[str]:

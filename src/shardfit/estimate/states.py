@@ -122,7 +122,8 @@ class States:
 
 def model_states(kind: str, shard: int, world: int, precision: str, optimizer: str, trained: int,
                  frozen_bytes: int, factored: float, offload_optimizer, offload_params,
-                 persistent_params: int = 0, largest_param: int = 0, explain: bool = False) -> States:
+                 persistent_params: int = 0, largest_param: int = 0, explain: bool = False,
+                 bucket_view: bool = False) -> States:
     """Real engine accounting. kind: ddp | fsdp | zero1 | zero2 | zero3; shard = ranks sharing the
     sharded states (N, or the hybrid group size; 1 for no_shard)."""
     out = States()
@@ -197,7 +198,7 @@ def model_states(kind: str, shard: int, world: int, precision: str, optimizer: s
     grads = param_bytes * part
     opt = moments * part
     out.state_bytes = param_bytes
-    if kind == "ddp":
+    if kind == "ddp" and bucket_view:
         # Source: DDP gradient_as_bucket_view: grads live in the reducer's buckets for the whole run.
         out.grads_persistent = int(grads)
     host = {}

@@ -18,9 +18,10 @@ def unsharded_grad_bytes(unit_params: int, dtype_bytes: int) -> int:
     return int(unit_params * dtype_bytes)
 
 
-def reduce_scatter_bytes(unit_params: int, shard: int, reduce_bytes: int, sharded_bytes: int) -> int:
-    # Source: FSDP reduce-scatter output (reduce dtype) plus its cast to the sharded grad dtype.
-    return int(unit_params / shard * (reduce_bytes + (sharded_bytes if sharded_bytes != reduce_bytes else 0)))
+def reduce_scatter_bytes(unit_params: int, shard: int, reduce_bytes: int, input_copy: bool) -> int:
+    # Source: FSDP1 casts the unsharded grad to reduce_dtype (a copy when it differs); FSDP2's
+    # foreach_reduce always copies into a flat reduce_dtype input; the output is unit/S in reduce_dtype.
+    return int(unit_params * reduce_bytes * (1 if input_copy else 0) + unit_params / shard * reduce_bytes)
 
 
 def all_units_gathered_bytes(total_params: int, dtype_bytes: int) -> int:
@@ -78,16 +79,14 @@ def activation_grad_bytes(tokens: int, seq: int, per_token: float, per_token_qua
     return int(tokens * per_token + tokens * seq * per_token_quad)
 
 
-def optimizer_step_temp_bytes(optimizer: str, foreach: bool, trained_on_rank: int, state_bytes: int,
+def optimizer_step_temp_bytes(optimizer: str, impl: str, trained_on_rank: int, state_bytes: int,
                               largest_param: int) -> int:
     # Source: torch.optim _multi_tensor_adamw: _foreach_sqrt(exp_avg_sq) copies every state;
-    # single-tensor (CPU default) sqrt()/div() make two copies of one tensor at a time.
-    if optimizer in ("adamw8bit",):
+    # _single_tensor_adamw: sqrt() then div() of one tensor at a time; fused kernels allocate nothing.
+    if impl == "fused" or optimizer in ("adamw8bit", "sgd"):
         return 0
-    if optimizer == "adamw":
-        return int(trained_on_rank * state_bytes) if foreach else int(2 * largest_param * state_bytes)
-    if optimizer == "sgd":
-        return 0
+    if optimizer == "adamw" and impl == "foreach":
+        return int(trained_on_rank * state_bytes)
     return int(2 * largest_param * state_bytes)
 
 

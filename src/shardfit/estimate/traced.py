@@ -1,8 +1,9 @@
 """Traced memory of one training step: run the real model's forward, backward and optimizer step on
 fake tensors (torch's FakeTensorMode: shapes, dtypes and storages, no data) under MemTracker, which
 sorts every live tensor storage into parameters / gradients / activations / temporaries / optimizer
-state. A 70B model traces on a laptop; the numbers are tensor bytes exactly as the real step would
-allocate them on one rank without sharding (no allocator rounding, CUDA context or NCCL buffers).
+state. Llama-2-7B traces in about a minute in 0.4 GB of real memory; the numbers are tensor bytes
+exactly as the real step would allocate them on one rank without sharding (no allocator rounding,
+CUDA context or NCCL buffers).
 
 torch and transformers are imported inside the functions: importing this module is free.
 """

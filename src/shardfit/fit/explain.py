@@ -30,7 +30,7 @@ def slower_reason(c, best) -> str:
     ct = c.plan.training
     head = f"fits (micro-batch {ct.micro_batch}, AC {ct.activation_checkpointing})"
     if ratio <= 1 + TIE:
-        return f"{head} and is about as fast (x{ratio:.2f}), but {best.family} comes first in the field's order (simpler)"
+        return f"{head} and is about as fast (x{ratio:.2f}), but {best.family} comes first in the field's order"
     deltas = {"comm": t.exposed_comm_s - b.exposed_comm_s, "compute": t.compute_s - b.compute_s,
               "offload": t.offload_s - b.offload_s, "optimizer": t.optimizer_s - b.optimizer_s}
     cause = max(deltas, key=deltas.get)

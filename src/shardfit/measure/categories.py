@@ -10,7 +10,9 @@ Measured categories (what the estimator is held to):
   shards, DeepSpeed 16-bit flat groups or ZeRO-3 partitions and persistent params), plus buffers.
 - grads: `.grad` of those, DeepSpeed's 16-bit grad partitions and fp32 grad partitions.
 - optimizer: optimizer state tensors and DeepSpeed's fp32 master partitions.
-- activations: tensors created in forward (and by recompute in backward) not named otherwise.
+- activations: tensors created in forward that are still alive when backward starts (saved for
+  backward, or the model output), and tensors recomputed by activation checkpointing in backward.
+  Forward tensors freed before backward starts are temporaries.
 - temporaries: gathered parameters (FSDP/ZeRO-3), low-precision copies of parameters (autocast's
   weight cache, mixed-precision casts), buckets, collective buffers, and whatever backward and the
   optimizer step allocate that is not named otherwise.

@@ -255,6 +255,12 @@ class Accountant(TorchDispatchMode):
         if stats is None:
             return
         self.scan()
+        if self._phase == "forward":
+            # Activations are what forward leaves for backward. A forward tensor already freed when
+            # forward ends (the loss's fp32 upcast, a norm's intermediate) was a temporary.
+            for record in self._dead:
+                if record.category == "activations":
+                    record.category = "temporaries"
         if self._peak_total >= stats.peak_total:
             stats.peak = self.breakdown_at(self._peak_t)
             stats.peak_total = device_total(stats.peak)

@@ -1,0 +1,23 @@
+"""`shardfit convert CHECKPOINT --out DIR`: a DeepSpeed ZeRO checkpoint becomes a DCP checkpoint
+(model + AdamW state + scheduler + data position + RNG), which DDP, FSDP and FSDP2 resume from on
+any world size: `shardfit train --strategy fsdp2 --resume DIR`."""
+from __future__ import annotations
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("checkpoint", help="a DeepSpeed checkpoint folder written by `shardfit train` (step-K)")
+    parser.add_argument("--out", required=True, help="the DCP checkpoint folder to write")
+    parser.add_argument("--to", default="dcp", choices=("dcp",),
+                        help="target format (dcp; DCP -> DeepSpeed is not implemented yet)")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from shardfit.train.checkpoint import resolve_resume
+    from shardfit.train.convert import deepspeed_to_dcp
+
+    source = resolve_resume(args.checkpoint, Path(args.checkpoint))
+    out = deepspeed_to_dcp(source, Path(args.out))
+    print(f"converted {source} (DeepSpeed) -> {out} (DCP): resume with `shardfit train --strategy fsdp2 --resume {out}`")
+    return 0
