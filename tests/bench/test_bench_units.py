@@ -68,3 +68,14 @@ def test_cli_rejects_bad_strategies_in_one_line(tmp_path):
     result = shardfit("bench", "--strategies", "ddp", "--budget-bytes", "zero3=1", "--out", str(tmp_path),
                       check=False, timeout=60)
     assert result.returncode == 2 and "not among --strategies" in result.stderr
+
+
+def test_a_plan_file_is_benched_as_written(tmp_path):
+    from shardfit.bench.run import load_bench_plan
+    from shardfit.spec.planfile import dump_plan
+
+    plan = default_plan(2).with_changes(training={"seq_len": 32, "precision": "bf16"})
+    path = dump_plan(plan, tmp_path / "plan.yaml")
+    loaded = load_bench_plan(str(path), 2)
+    assert loaded.training == plan.training and loaded.strategy == plan.strategy
+    assert loaded.model.n_params == plan.model.n_params

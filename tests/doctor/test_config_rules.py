@@ -96,6 +96,10 @@ def test_zero3_where_zero2_fits(tmp_path):
     assert "stage 2" in finding.fix
     assert "zero3-where-zero2-fits" not in rules(path, model=L70B, gpu=H100, gpus_per_node=8)
     assert "zero3-where-zero2-fits" not in rules(path)  # sizes unknown: stay quiet
+    # A plan names its model and GPU itself.
+    plan = {"model": "llama-3.1-8b", "strategy": {"kind": "zero3"}, "training": {"seq_len": 2048},
+            "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "H100-80GB"}}
+    assert "zero3-where-zero2-fits" in rules(write(tmp_path, "plan.yaml", plan))
 
 
 def test_offload_not_needed(tmp_path):

@@ -18,6 +18,12 @@ def plan(engine: str, precision: str = "fp32", ac: str = "none", steps: int = ST
                          "save_every": save_every, "keep_checkpoints": 3, "seed": 11}}
 
 
+def lora_plan(engine: str) -> dict:
+    data = plan(engine, ac="full")  # LoRA with activation checkpointing: the usual fine-tuning setup
+    data["training"]["lora"] = {"rank": 4, "base_dtype": "fp32"}
+    return data
+
+
 def nan_plan(policy: str) -> dict:
     # AdamW moves every weight by about lr whatever the gradient: lr 1e12 without clipping overflows
     # the logits on the next forward.
@@ -46,9 +52,8 @@ def matrix_jobs(root: str) -> list[dict]:
          "out": f"{root}/fsdp-hybrid"},
         {"name": "fsdp2-hsdp", "plan": plan("fsdp2", shard_group_size=1), "out": f"{root}/fsdp2-hsdp"},
         {"name": "fsdp2-offload", "plan": plan("fsdp2", offload_params="cpu"), "out": f"{root}/fsdp2-offload"},
-        {"name": "fsdp-lora", "plan": {**plan("fsdp"), "training": {**plan("fsdp")["training"],
-                                                                    "lora": {"rank": 4, "base_dtype": "fp32"}}},
-         "out": f"{root}/fsdp-lora"},
+        *[{"name": f"{engine}-lora", "plan": lora_plan(engine), "out": f"{root}/{engine}-lora"}
+          for engine in ("ddp", "fsdp", "fsdp2", "zero3")],
         {"name": "ddp-fp16", "plan": plan("ddp", "fp16"), "out": f"{root}/ddp-fp16"},
         {"name": "zero2-offload", "plan": plan("zero2", offload_optimizer="cpu"), "out": f"{root}/zero2-offload"},
         {"name": "zero3-offload", "plan": plan("zero3", offload_optimizer="cpu", offload_params="cpu", save_every=2),
@@ -68,6 +73,12 @@ def single_rank_jobs(root: str, matrix_root: str) -> list[dict]:
         {"name": "single-ddp-accum2", "plan": plan("ddp", grad_accum=2), "out": f"{root}/single"},
         {"name": "fsdp2-2to1", "plan": plan("fsdp2", grad_accum=2, save_every=2), "out": f"{root}/2to1",
          "resume": f"{matrix_root}/fsdp2/checkpoints/step-2"},
+        {"name": "fsdp2-from-zero2", "plan": plan("fsdp2", grad_accum=2), "out": f"{root}/from-zero2",
+         "resume": f"{matrix_root}/../zero2-as-dcp"},
+        {"name": "ddp-from-zero3", "plan": plan("ddp", grad_accum=2), "out": f"{root}/from-zero3",
+         "resume": f"{matrix_root}/../zero3-as-dcp"},
+        {"name": "finetune-from-export", "plan": {**plan("ddp", grad_accum=2, steps=2), "model": f"{matrix_root}/ddp-hf"},
+         "out": f"{root}/finetune"},
         {"name": "ddp-from-fsdp2-2to1", "plan": plan("ddp", grad_accum=2, save_every=2), "out": f"{root}/2to1-ddp",
          "resume": f"{matrix_root}/fsdp2/checkpoints/step-2"},
     ]

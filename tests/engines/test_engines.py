@@ -29,6 +29,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
     root = str(tmp / "matrix")
     results = _launch(tmp, "matrix", matrix_jobs(root), nproc=2)
+    from shardfit.train.convert import deepspeed_to_dcp
+
+    for stage in ("zero2", "zero3"):  # DeepSpeed -> DCP, resumed below by DDP / FSDP2 on one rank
+        if results[f"{stage}-fp32-none"]["ok"]:
+            deepspeed_to_dcp(tmp / "matrix" / stage / "checkpoints" / "step-2", tmp / f"{stage}-as-dcp")
     results.update(_launch(tmp, "single", single_rank_jobs(str(tmp / "single"), root), nproc=1))
     return {"results": results, "root": tmp / "matrix"}
 
@@ -114,7 +119,7 @@ def test_export_loads_in_transformers_with_same_logits_and_generation(runs, engi
 
 
 @pytest.mark.parametrize("name", ["ddp-accum2", "fsdp2-accum2", "zero2-accum2", "fsdp-hybrid", "fsdp2-hsdp",
-                                  "fsdp2-offload", "fsdp-lora", "ddp-fp16", "fsdp2-fp16",
+                                  "fsdp2-offload", "ddp-fp16", "fsdp2-fp16",
                                   "zero2-offload", "zero3-offload"])
 def test_other_configurations_train(runs, name):
     losses = _ok(runs, name)["losses"]
@@ -164,3 +169,27 @@ def test_export_from_checkpoint_equals_live_export(runs, engine, tmp_path):
     assert offline.keys() == live.keys()
     for name in live:
         assert offline[name].equal(live[name]), name
+
+
+@pytest.mark.parametrize("stage,engine", [("zero2", "fsdp2"), ("zero3", "ddp")])
+def test_deepspeed_checkpoint_converts_to_dcp_and_resumes(runs, stage, engine):
+    """Model, AdamW moments, scheduler, data position and RNG survive ZeRO -> DCP: the run continues
+    on another engine and one rank with the same losses."""
+    full = _ok(runs, f"{stage}-fp32-none")["losses"]
+    resumed = _ok(runs, f"{engine}-from-{stage}")
+    assert resumed["steps"] == list(range(3, STEPS + 1))
+    assert resumed["losses"] == pytest.approx(full[2:], rel=1e-6)
+
+
+def test_training_starts_from_an_exported_model_folder(runs):
+    fresh = _ok(runs, "ddp-fp32-none")["losses"]
+    tuned = _ok(runs, "finetune-from-export")["losses"]
+    # Same first batch; the exported (trained) weights already predict it far better than fresh ones.
+    assert tuned[0] < fresh[0] - 0.5 and tuned[0] == pytest.approx(fresh[-1], abs=0.3)
+
+
+def test_lora_trains_the_same_under_every_engine(runs):
+    reference = _ok(runs, "fsdp-lora")["losses"]
+    assert reference[-1] < reference[0] - 0.2
+    for engine in ("ddp", "fsdp2", "zero3"):
+        assert _ok(runs, f"{engine}-lora")["losses"] == pytest.approx(reference, rel=1e-5), engine

@@ -74,8 +74,7 @@ def test_hybrid_sharding_wins_across_nodes_on_slow_links():
     result = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, nodes=4,
                             seq_len=4096, global_batch=512))
     assert "hybrid" in result.best.family
-    zero3 = next(r for r in result.rejected if r.family == "zero3")
-    assert "inter-node network" in zero3.reason and "hybrid" in zero3.reason
+    assert any("inter-node network" in r.reason and "hybrid sharding keeps" in r.reason for r in result.rejected)
 
 
 def test_lora_makes_a_big_model_cheaper():

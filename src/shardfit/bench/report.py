@@ -28,7 +28,8 @@ COLUMNS = (
     ("loss@K", "loss.final", "loss"),
     ("vs ddp", "correctness.rel_diff", "pct"),
     ("correct", "correctness.status", "text"),
-    ("ckpt exact", "checkpoint.exact", "bool"),
+    ("ckpt loaded exactly", "checkpoint.exact_at_load", "bool"),
+    ("resume exact", "checkpoint.exact", "bool"),
     ("save", "checkpoint.save_s", "s"),
     ("load", "checkpoint.load_s", "s"),
     ("ckpt size", "checkpoint.bytes", "bytes"),
@@ -87,6 +88,9 @@ def notes(report: dict) -> list[str]:
         elif get(result, "correctness.status") == "diverged":
             out.append(f"{result['strategy']}: loss diverged from the reference: likely "
                        f"{result['correctness']['likely_cause']}")
+        elif get(result, "checkpoint.exact") is False and get(result, "checkpoint.exact_at_load"):
+            out.append(f"{result['strategy']}: checkpoint loaded bit-identically, but the resumed step differs "
+                       f"by up to {get(result, 'checkpoint.resumed_step_max_abs_diff'):.1e} (not bit-reproducible)")
         elif get(result, "checkpoint.exact") is False:
             out.append(f"{result['strategy']}: checkpoint NOT restored exactly: "
                        f"{get(result, 'checkpoint.restored') or get(result, 'checkpoint.error')}")

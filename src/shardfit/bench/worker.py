@@ -306,15 +306,20 @@ def verify(plan, ckpt: str, ctx) -> dict:
     after = fingerprint(engine)
     after_step = {part: compare(ref["after"], after, f"{part[:5]}.") for part in ("model", "optim", "sched")}
     checks = {"model": at_load["model"]["equal"],
-              "optimizer": after_step["optim"]["equal"] and (at_load["optimizer"] or {"equal": True})["equal"],
+              "optimizer": at_load["optimizer"] is None or at_load["optimizer"]["equal"],
               "scheduler": at_load["scheduler"]["equal"] and after_step["sched"]["equal"],
               "step": step == ref["step"], "next_loss": next_loss == ref["next_loss"],
-              "model_after_step": after_step["model"]["equal"]}
+              "model_after_step": after_step["model"]["equal"],
+              "optimizer_after_step": after_step["optim"]["equal"]}
     gathered = [None] * ctx.world_size
-    dist.all_gather_object(gathered, checks)
-    restored = {key: all(g[key] for g in gathered) for key in checks}
+    dist.all_gather_object(gathered, (checks, max(v["max_abs_diff"] for v in after_step.values())))
+    restored = {key: all(g[0][key] for g in gathered) for key in checks}
     return {"strategy": plan.strategy.label, "load_s": load_s, "restored": restored,
             "exact": all(restored.values()),
+            # The loaded state is the saved one bit for bit; the resumed step can still differ when
+            # an optimizer is not bit-reproducible across processes (measured: DeepSpeed CPU Adam).
+            "exact_at_load": all(restored[k] for k in ("model", "optimizer", "scheduler", "step")),
+            "resumed_step_max_abs_diff": max(g[1] for g in gathered),
             "details": {"at_load": at_load, "after_step": after_step, "next_loss": [next_loss, ref["next_loss"]]}}
 
 

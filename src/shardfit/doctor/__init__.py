@@ -1,7 +1,7 @@
 """Doctor: read existing training configs (and scripts) and list the classic mistakes, with the fix."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardfit.doctor.rules import RULES, Context, Finding
 from shardfit.doctor.setup import Setup, read_setup
@@ -36,8 +36,10 @@ def diagnose(paths, ctx: Context | None = None) -> Report:
     setup, kinds = read_setup(paths)
     ctx = ctx or Context()
     if ctx.model is None:
-        from dataclasses import replace
         ctx = replace(ctx, model=_model_from_setup(setup))
+    if ctx.gpu is None and setup.gpu:
+        from shardfit.spec.gpus import get_gpu
+        ctx = replace(ctx, gpu=get_gpu(setup.gpu))
     findings: list[Finding] = []
     for rule in RULES:
         findings += rule(setup, ctx)

@@ -196,8 +196,9 @@ def zero3_where_zero2_fits(setup: Setup, ctx: Context) -> list[Finding]:
     fits, peak = _fits(plan, ctx)
     if not fits:
         return []
+    same = " with the same optimizer offload" if setup.offload_optimizer else ""
     return [Finding(rule="zero3-where-zero2-fits", severity="warning",
-                    message=f"ZeRO-3 where ZeRO-2 fits ({peak / GIB:.1f} GiB predicted on {ctx.gpu.name}): ZeRO-3 "
+                    message=f"ZeRO-3 where ZeRO-2{same} fits ({peak / GIB:.1f} GiB predicted on {ctx.gpu.name}): ZeRO-3 "
                             "moves 1.5x the data (parameters gathered again in backward) for no memory you need",
                     fix="use zero_optimization.stage 2", where=setup.origin("zero_stage"))]
 

@@ -36,6 +36,7 @@ class Setup:
     offload_params: str | None = None
     full_state_dict: bool | None = None
     model_ref: object = None  # a Plan's model (preset name or mapping)
+    gpu: str | None = None  # a Plan's cluster.gpu
     sources: tuple[tuple[str, str], ...] = ()  # (path, Python source)
     where: tuple[tuple[str, str], ...] = ()  # (fact, file it came from)
 
@@ -193,7 +194,7 @@ def from_plan(d: dict) -> dict:
     if facts["precision"] == "fp16":
         facts["loss_scaling"] = t.get("loss_scaling") is not False
     nodes, gpus = _int(c.get("nodes", 1)), _int(c.get("gpus_per_node", 8))
-    facts.update(nodes=nodes, world_size=nodes * gpus if nodes and gpus else None)
+    facts.update(nodes=nodes, world_size=nodes * gpus if nodes and gpus else None, gpu=c.get("gpu"))
     if kind.startswith("zero"):
         facts["zero_stage"] = int(kind[-1])
         facts["buckets"] = tuple((key, float(s[name])) for name, key in (

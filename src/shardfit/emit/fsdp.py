@@ -7,173 +7,175 @@ and `build_model()` for real data and weights.
 """
 from __future__ import annotations
 
+import textwrap
+
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, hf_config
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
 
 _DTYPES = {"bf16": "torch.bfloat16", "bf16-pure": "torch.bfloat16", "fp16": "torch.float16", "fp32": None}
 
-_HEADER = '''"""{kind} training script written by `shardfit emit --format {fmt}` for {model}: {label},
-{nodes} node(s) x {gpus} GPU(s), micro-batch {micro} x accumulation {accum} x {world} ranks = global batch {global_batch}.
+_HEADER = '''    """{kind} training script written by `shardfit emit --format {fmt}` for {model}: {label},
+    {nodes} node(s) x {gpus} GPU(s), micro-batch {micro} x accumulation {accum} x {world} ranks = global batch {global_batch}.
 
-Run:  torchrun --nproc-per-node {gpus} {{this file}}     (multi-node: `shardfit emit --format torchrun`)
-On CPU it runs with gloo (e.g. torchrun --nproc-per-node 2); STEPS=3 overrides the step count.
-"""
-import os
-import time
+    Run:  torchrun --nproc-per-node {gpus} {{this file}}     (multi-node: `shardfit emit --format torchrun`)
+    On CPU it runs with gloo (e.g. torchrun --nproc-per-node 2); STEPS=3 overrides the step count.
+    """
+    import os
+    import time
 
-import torch
-import torch.distributed as dist
+    import torch
+    import torch.distributed as dist
 
-STEPS = int(os.environ.get("STEPS", "{steps}"))
-MICRO_BATCH, GRAD_ACCUM, SEQ_LEN = {micro}, {accum}, {seq}
-LR, WEIGHT_DECAY, GRAD_CLIP, SEED, LOG_EVERY = {lr}, {wd}, {clip}, {seed}, {log_every}
-BLOCK_CLASS = "{block}"  # the repeated layer: the FSDP unit and the activation-checkpointing unit
-AC_EVERY = {ac_every}  # checkpoint every N-th block; 0 = off
-SHARD_GROUP = {group}  # ranks per shard group (hybrid sharding across nodes); None = all ranks
-COMPUTE_DTYPE = {dtype}  # None = fp32
-LORA = {lora}
-MODEL_CONFIG = {config}
-
-
-def build_model():
-    # Random init from the config. For pretrained weights: AutoModelForCausalLM.from_pretrained(...).
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = dict(MODEL_CONFIG)
-    config = AutoConfig.for_model(config.pop("model_type"), **config)
-    config.use_cache = False  # the KV cache breaks recomputation under activation checkpointing
-    model = AutoModelForCausalLM.from_config(config)
-    if LORA:
-        from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
-    return model
+    STEPS = int(os.environ.get("STEPS", "{steps}"))
+    MICRO_BATCH, GRAD_ACCUM, SEQ_LEN = {micro}, {accum}, {seq}
+    LR, WEIGHT_DECAY, GRAD_CLIP, SEED, LOG_EVERY = {lr}, {wd}, {clip}, {seed}, {log_every}
+    BLOCK_CLASS = "{block}"  # the repeated layer: the FSDP unit and the activation-checkpointing unit
+    AC_EVERY = {ac_every}  # checkpoint every N-th block; 0 = off
+    SHARD_GROUP = {group}  # ranks per shard group (hybrid sharding across nodes); None = all ranks
+    COMPUTE_DTYPE = {dtype}  # None = fp32
+    LORA = {lora}
+    MODEL_CONFIG = {config}
 
 
-def apply_activation_checkpointing(model):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        apply_activation_checkpointing as apply_ac, checkpoint_wrapper)
-    blocks = [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]
-    chosen = {{id(m) for m in blocks[::AC_EVERY]}}
-    apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen)
+    def build_model():
+        # Random init from the config. For pretrained weights: AutoModelForCausalLM.from_pretrained(...).
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = dict(MODEL_CONFIG)
+        config = AutoConfig.for_model(config.pop("model_type"), **config)
+        config.use_cache = False  # the KV cache breaks recomputation under activation checkpointing
+        model = AutoModelForCausalLM.from_config(config)
+        if LORA:
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+        return model
 
 
-def batches(vocab, device, rank):
-    # A generator of its own per rank: different data per rank, while the global RNG (model init,
-    # dropout) stays identical on every rank.
-    gen = torch.Generator().manual_seed(SEED + rank)
-    while True:
-        ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
-        yield ids.to(device)
+    def apply_activation_checkpointing(model):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing as apply_ac, checkpoint_wrapper)
+        blocks = [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]
+        chosen = {{id(m) for m in blocks[::AC_EVERY]}}
+        apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen)
+
+
+    def batches(vocab, device, rank):
+        # A generator of its own per rank: different data per rank, while the global RNG (model init,
+        # dropout) stays identical on every rank.
+        gen = torch.Generator().manual_seed(SEED + rank)
+        while True:
+            ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
+            yield ids.to(device)
 '''
 
 _FSDP2 = '''
 
-def shard(model, device, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    if SHARD_GROUP and SHARD_GROUP < world:
-        mesh = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (world,))
-    kwargs = {{"mesh": mesh, "reshard_after_forward": {reshard}}}
-    if COMPUTE_DTYPE is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
-    if {offload}:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
+    def shard(model, device, world):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        if SHARD_GROUP and SHARD_GROUP < world:
+            mesh = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (world,))
+        kwargs = {{"mesh": mesh, "reshard_after_forward": {reshard}}}
+        if COMPUTE_DTYPE is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
+        if {offload}:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        for block in [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        return model
 
 
-def clip(model):
-    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
+    def clip(model):
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
 '''
 
 _FSDP1 = '''
 
-def shard(model, device, world):
-    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    block_types = {{type(m) for m in model.modules() if type(m).__name__ == BLOCK_CLASS}}
-    kwargs = {{}}
-    if SHARD_GROUP and SHARD_GROUP < world:
-        from torch.distributed.device_mesh import init_device_mesh
-        kwargs["device_mesh"] = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP))
-    if COMPUTE_DTYPE is not None:
-        kwargs["mixed_precision"] = MixedPrecision(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32,
-                                                   buffer_dtype=COMPUTE_DTYPE)
-    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(block_types),
-                sharding_strategy=ShardingStrategy.{sharding},
-                backward_prefetch={prefetch},
-                cpu_offload=CPUOffload(offload_params={offload}),
-                device_id=device,  # FSDP1 needs device_id=cpu on CPU, the GPU index on GPUs
-                sync_module_states=device.type == "cuda",  # every rank seeds the same init; GPU-only check on CPU
-                use_orig_params=True, limit_all_gathers=True, **kwargs)
+    def shard(model, device, world):
+        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        block_types = {{type(m) for m in model.modules() if type(m).__name__ == BLOCK_CLASS}}
+        kwargs = {{}}
+        if SHARD_GROUP and SHARD_GROUP < world:
+            from torch.distributed.device_mesh import init_device_mesh
+            kwargs["device_mesh"] = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP))
+        if COMPUTE_DTYPE is not None:
+            kwargs["mixed_precision"] = MixedPrecision(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32,
+                                                       buffer_dtype=COMPUTE_DTYPE)
+        return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(block_types),
+                    sharding_strategy=ShardingStrategy.{sharding},
+                    backward_prefetch={prefetch},
+                    cpu_offload=CPUOffload(offload_params={offload}),
+                    device_id=device,  # FSDP1 needs device_id=cpu on CPU, the GPU index on GPUs
+                    sync_module_states=device.type == "cuda",  # every rank seeds the same init; GPU-only check on CPU
+                    use_orig_params=True, limit_all_gathers=True, **kwargs)
 
 
-def clip(model):
-    model.clip_grad_norm_(GRAD_CLIP)
+    def clip(model):
+        model.clip_grad_norm_(GRAD_CLIP)
 '''
 
 _MAIN = '''
 
-def main():
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # not the global rank: that breaks on node 2+
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.manual_seed(SEED)  # the same initial weights on every rank
-    # Built in host RAM; sharding moves one unit at a time to the device, so the GPU never holds the
-    # whole model. For models too big for host RAM per rank, build on the meta device (torchtitan).
-    model = build_model()
-    if AC_EVERY:
-        apply_activation_checkpointing(model)
-    model = shard(model, device, world)
-    # The optimizer comes after sharding so it holds the sharded parameters.
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                  betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
-    scaler = None
-    if COMPUTE_DTYPE == torch.float16:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        scaler = ShardedGradScaler(device.type)  # fp16 needs loss scaling
-    data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank)
-    start = time.perf_counter()
-    for step in range(STEPS):
-        total = 0.0
-        for _ in range(GRAD_ACCUM):
-            ids = next(data)
-            loss = model(input_ids=ids, labels=ids).loss / GRAD_ACCUM
-            (scaler.scale(loss) if scaler else loss).backward()
-            total += loss.item()
-        if scaler:
-            scaler.unscale_(optimizer)
-        clip(model)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if rank == 0 and (step % LOG_EVERY == 0 or step == STEPS - 1):
-            print(f"step {{step}} loss {{total:.4f}} {{time.perf_counter() - start:.1f}}s", flush=True)
-    if os.environ.get("CHECKSUM"):  # replicas must agree: compare this line across ranks
-        local = sum(float((p.to_local() if hasattr(p, "to_local") else p).detach().float().sum())
-                    for p in model.parameters())
-        print(f"rank {{rank}} checksum {{local:.6f}}", flush=True)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(device) / 2**30
-        print(f"rank {{rank}} peak allocated {{peak:.2f}} GiB", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    def main():
+        cuda = torch.cuda.is_available()
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # not the global rank: that breaks on node 2+
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        torch.manual_seed(SEED)  # the same initial weights on every rank
+        # Built in host RAM; sharding moves one unit at a time to the device, so the GPU never holds the
+        # whole model. For models too big for host RAM per rank, build on the meta device (torchtitan).
+        model = build_model()
+        if AC_EVERY:
+            apply_activation_checkpointing(model)
+        model = shard(model, device, world)
+        # The optimizer comes after sharding so it holds the sharded parameters.
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                                      betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+        scaler = None
+        if COMPUTE_DTYPE == torch.float16:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+            scaler = ShardedGradScaler(device.type)  # fp16 needs loss scaling
+        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank)
+        start = time.perf_counter()
+        for step in range(STEPS):
+            total = 0.0
+            for _ in range(GRAD_ACCUM):
+                ids = next(data)
+                loss = model(input_ids=ids, labels=ids).loss / GRAD_ACCUM
+                (scaler.scale(loss) if scaler else loss).backward()
+                total += loss.item()
+            if scaler:
+                scaler.unscale_(optimizer)
+            clip(model)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if rank == 0 and (step % LOG_EVERY == 0 or step == STEPS - 1):
+                print(f"step {{step}} loss {{total:.4f}} {{time.perf_counter() - start:.1f}}s", flush=True)
+        if os.environ.get("CHECKSUM"):  # replicas must agree: compare this line across ranks
+            local = sum(float((p.to_local() if hasattr(p, "to_local") else p).detach().float().sum())
+                        for p in model.parameters())
+            print(f"rank {{rank}} checksum {{local:.6f}}", flush=True)
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(device) / 2**30
+            print(f"rank {{rank}} peak allocated {{peak:.2f}} GiB", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
+    if __name__ == "__main__":
+        main()
 '''
 
 
@@ -215,7 +217,8 @@ def fsdp_script(plan: Plan, version: int) -> str:
         prefetch = {"backward_pre": "BackwardPrefetch.BACKWARD_PRE", "backward_post": "BackwardPrefetch.BACKWARD_POST",
                     "none": "None"}[s.backward_prefetch]
         body = _FSDP1.format(sharding=sharding, prefetch=prefetch, offload=bool(s.offload_params))
-    return _HEADER.format(**fields) + body + _MAIN.format()
+    # Templates are indented in this file (so no line here reads as a top-level import) and dedented here.
+    return textwrap.dedent(_HEADER).format(**fields) + textwrap.dedent(body) + textwrap.dedent(_MAIN).format()
 
 
 def _check_kind(plan: Plan, version: int) -> list[str]:

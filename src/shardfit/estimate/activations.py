@@ -31,7 +31,8 @@ class Profile:
     """Per-token activation coefficients for one (model, regime, attention, LoRA) combination."""
     __slots__ = ("block", "block_quad", "block_items", "head", "head_items", "ckpt_input", "logits_live",
                  "loss_fwd_temp", "loss_bwd_temp", "bwd_work", "bwd_work_quad", "attn_fwd_temp_quad",
-                 "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "first_block_discount")
+                 "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "block_const", "head_const",
+                 "first_block_discount")
 
 
 def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda") -> Profile:
@@ -222,11 +223,14 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     p.head, p.head_items = head, tuple(head_items)
     p.ckpt_input = res * h
     p.logits_live = d * vocab
-    p.loss_fwd_temp = 4 * vocab if d != 4 else 0
+    # `loss = model(**batch).loss` (HF Trainer, shardfit train) drops the output: the logits live only
+    # while the loss is computed, next to their fp32 upcast when they are 16-bit.
+    p.loss_fwd_temp = d * vocab + (4 * vocab if d != 4 else 0)
     p.loss_bwd_temp = 8 * vocab
     # One block's backward working set: grads of the residual stream and of the widest intermediates.
-    width = max(inter * (max(model.experts_per_token, 1) if model.num_experts else 1), qd + 2 * kvd)
-    p.bwd_work = 2 * res * h + 2 * d * width
+    width = inter * (max(model.experts_per_token, 1) if model.num_experts else 1)
+    # e.g. SwiGLU backward holds the grads of product, act and up (3 x I) next to the residual grads.
+    p.bwd_work = 2 * res * h + d * max(3 * width, 2 * qd + 2 * kvd)
     p.bwd_work_quad = (4 + d) * heads if attention == "eager" else 0
     p.attn_fwd_temp_quad = 2 * d * heads if attention == "eager" else 0
     # Rotary cos/sin (1, s, head_dim) in the hidden dtype; GPT-2's position ids (1, s) int64.
@@ -239,10 +243,11 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     block_weights += h * model.num_experts  # the router
     p.weight_copies = 2 * block_weights if autocast_copies else 0
     p.head_weight_copy = 2 * vocab * h if autocast_copies else 0
+    p.block_const = p.head_const = 0
     if family == "gemma2" and trains:
         # Gemma's norms save (1 + weight) in fp32: four per block, one final.
-        p.weight_copies += 4 * 4 * h
-        p.head_weight_copy += 4 * h
+        p.block_const = 4 * 4 * h
+        p.head_const = 4 * h
     # LoRA freezes the embedding: block 0's input needs no grad, so its first norm saves nothing.
     own = ("input_norm.input", "input_norm.input_fp32_copy", "input_norm.rsqrt", "input_norm.mean_rstd")
     p.first_block_discount = sum(per for label, per, _ in block_items if label in own) if lora else 0
@@ -264,12 +269,17 @@ def checkpointed_blocks(num_layers: int, every: int) -> int:
 def saved_activation_bytes(profile: Profile, tokens: int, seq: int, num_layers: int, checkpointed: int) -> tuple:
     # Source: Korthikanti et al. 2022 sec. 4 (full recompute keeps the block input), adapted per block.
     per_block = profile.block * tokens + profile.block_quad * tokens * seq
-    blocks = (num_layers - checkpointed) * (per_block + profile.weight_copies) + checkpointed * profile.ckpt_input * tokens
+    blocks = (num_layers - checkpointed) * (per_block + profile.block_const) + checkpointed * profile.ckpt_input * tokens
     if not checkpointed:
         blocks -= profile.first_block_discount * tokens
-    head = (profile.head * tokens + profile.per_position * seq + profile.logits_live * tokens
-            + profile.head_weight_copy)
+    head = profile.head * tokens + profile.per_position * seq + profile.head_const
     return int(blocks), int(head), int(per_block)
+
+
+def autocast_weight_copy_bytes(profile: Profile, num_layers: int, checkpointed: int) -> int:
+    # Source: torch.autocast's cast cache: 16-bit copies of the weights, held by the saved graph until
+    # backward frees them; checkpointed blocks drop theirs after forward.
+    return int((num_layers - checkpointed) * profile.weight_copies + profile.head_weight_copy)
 
 
 __all__ = ["Profile", "activation_profile", "checkpointed_blocks", "saved_activation_bytes", "DTYPE_BYTES"]

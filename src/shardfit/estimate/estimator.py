@@ -106,17 +106,19 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         every = _every(t.activation_checkpointing)
         n_ckpt = act.checkpointed_blocks(model.num_layers, every)
         a_blocks, a_head, a_block = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, n_ckpt)
-        a_logits = int(prof.logits_live * tokens)
         loss_fwd = tmp.loss_forward_bytes(tokens, prof.loss_fwd_temp)
         attn_fwd = int(prof.attn_fwd_temp_quad * tokens * seq)
         loss_bwd = tmp.loss_backward_bytes(tokens, prof.loss_bwd_temp)
         bwd_work = tmp.activation_grad_bytes(tokens, seq, prof.bwd_work, prof.bwd_work_quad)
         recompute = a_block if n_ckpt else 0
         dequant = prof.dequant_temp
+        # The cast cache lives until autocast exits (end of forward); backward keeps only the saved ones.
+        wcopy_fwd = act.autocast_weight_copy_bytes(prof, model.num_layers, 0)
+        wcopy = act.autocast_weight_copy_bytes(prof, model.num_layers, n_ckpt)
     else:
         prof = None
-        n_ckpt = a_blocks = a_head = a_block = a_logits = loss_fwd = attn_fwd = loss_bwd = bwd_work = 0
-        recompute = dequant = 0
+        n_ckpt = a_blocks = a_head = a_block = loss_fwd = attn_fwd = loss_bwd = bwd_work = 0
+        recompute = dequant = wcopy = wcopy_fwd = 0
     if explain and prof is not None:
         term("activations.block", a_block, "b*s*sum(block tensors) + b*s^2*sum(quadratic tensors)",
              {"b": t.micro_batch, "s": seq, "regime": regime, "attention": t.attention,
@@ -126,15 +128,18 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         term("activations.blocks", a_blocks, "(L - n_ckpt)*block + n_ckpt*b*s*ckpt_input",
              {"L": model.num_layers, "n_ckpt": n_ckpt, "ckpt_input_per_token": prof.ckpt_input},
              "full recompute keeps only the block input (Korthikanti et al. sec. 5)")
-        term("activations.head", a_head, "b*s*(final norm + log_softmax fp32 + labels + logits) + rotary",
-             {"per_token": prof.head, "logits_per_token": prof.logits_live,
+        term("activations.head", a_head, "b*s*(final norm + log_softmax fp32 + labels) + rotary",
+             {"per_token": prof.head,
               "tensors": {label: per for label, per, _ in prof.head_items}},
-             "transformers ForCausalLMLoss: logits kept by the model output, fp32 log_softmax saved")
-        term("temporaries.loss_upcast", loss_fwd, "b*s*V*4 when logits are 16-bit",
-             {"V": model.vocab_size, "tokens": tokens}, "ForCausalLMLoss logits.float()")
+             "transformers ForCausalLMLoss: fp32 log_softmax saved for backward")
+        term("temporaries.logits_and_upcast", loss_fwd, "b*s*V*d + b*s*V*4 when logits are 16-bit",
+             {"V": model.vocab_size, "tokens": tokens}, "lm_head output + ForCausalLMLoss logits.float()")
         term("temporaries.loss_backward", loss_bwd, "2 * b*s*V*4", {"V": model.vocab_size, "tokens": tokens},
              "nll_loss and log_softmax gradients in fp32")
-        term("temporaries.activation_grads", bwd_work, "b*s*(2*res*h + 2*d*max(I, q+2kv)) (+ eager s^2 grads)",
+        if wcopy_fwd:
+            term("temporaries.autocast_weight_copies", wcopy_fwd, "2*(block linear weights)*L + 2*V*h",
+                 {"L": model.num_layers, "n_ckpt": n_ckpt}, "torch.autocast weight cast cache, saved for backward")
+        term("temporaries.activation_grads", bwd_work, "b*s*(2*res*h + d*max(3*I, 2q+2kv)) (+ eager s^2 grads)",
              {"per_token": prof.bwd_work, "per_token_per_s": prof.bwd_work_quad},
              "one block's backward working set")
     elif explain:
@@ -150,7 +155,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     lp = 4 if precision == "fp32" else 2
     host: dict[str, int] = {}
     nvme = 0
-    persist_t = fwd_t = bwd_t = opt_t = ckpt_t = bwd_end_extra = 0
+    persist_t = fwd_t = bwd_t = opt_t = ckpt_t = bwd_end_extra = grads_rest = 0
+    fwd_loss_t = fwd_block_t = t_start = t_inside = t_end = None  # None: the same as fwd_t / bwd_t
     grads_persist = grads_full = grads_step = 0
     use_ds = accounting == "deepspeed" and kind in ("zero2", "zero3")
     if accounting == "ideal" or (accounting == "deepspeed" and not use_ds):
@@ -189,7 +195,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         persist_t = temps
         fwd_t = bwd_t = opt_t = ckpt_t = temps
         host["deepspeed_estimate"] = int(cpu_mem / per_node)
-        a_blocks = a_head = a_block = a_logits = loss_fwd = attn_fwd = loss_bwd = bwd_work = recompute = 0
+        a_blocks = a_head = a_block = loss_fwd = attn_fwd = loss_bwd = bwd_work = recompute = wcopy = wcopy_fwd = 0
         if explain:
             term("deepspeed.model_states", gpu_mem,
                  "zero2: 2P + 18P/N; zero3: 4*largest + 18P/N (offload: 2P/N or 0)",
@@ -232,8 +238,20 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             # shardfit's engines reduce in fp32 under MixedPrecision (reduce_dtype=float32).
             reduce_b = 4 if precision in ("bf16", "fp16", "fp32") else 2
             rs_b = tmp.reduce_scatter_bytes(unit, shard, reduce_b, kind == "fsdp2" or reduce_b != gather_bytes)
-            fwd_t = root_b + units_b
-            bwd_t = root_b + units_b + grad_b + root_grad_b + rs_b
+            one_unit = tmp.gathered_unit_bytes(unit, gather_bytes, 1) if units_b else 0
+            kept = 0 if reshard else units_b  # every unit stays gathered from forward to backward
+            # At the loss, resharded blocks are freed (FSDP2 still holds one); backward starts with one
+            # unit prefetched; inside a block two units, its full grad and the reduce-scatter buffers.
+            fwd_block_t = root_b + units_b
+            fwd_loss_t = root_b + (kept or (one_unit if kind == "fsdp2" else 0))
+            fwd_t = fwd_block_t
+            t_start = root_b + (kept or one_unit)
+            t_inside = root_b + units_b + grad_b + root_grad_b + rs_b
+            # The root reshards before its reduce-scatter: its full grad + the fp32 reduce buffers remain.
+            t_end = root_grad_b + tmp.reduce_scatter_bytes(root, shard, reduce_b, True)
+            bwd_t = t_inside
+            if kind == "fsdp" and not s.offload_params:
+                grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
             opt_t = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes,
                                                   (largest if kind == "fsdp2" else unit) // shard + 1)
             ckpt_t = tmp.checkpoint_save_bytes(checkpoint, max(unit, root), st.state_bytes)
@@ -328,30 +346,41 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     if t.grad_accum > 1:
         # Gradients accumulate across micro-steps: the next forward runs with them allocated.
         grads_persist = max(grads_persist, grads_full)
-    fwd_extra = max(loss_fwd, attn_fwd)
+    if fwd_loss_t is None:
+        fwd_loss_t = fwd_block_t = fwd_t
+    if t_start is None:
+        t_start = t_inside = t_end = bwd_t
+    fwd_temps = max(fwd_loss_t + loss_fwd, fwd_block_t + attn_fwd) + wcopy_fwd
     forward = {"params": params, "grads": grads_persist, "optimizer": opt,
-               "activations": a_blocks + a_head, "temporaries": fwd_t + fwd_extra}
-    # Backward peaks at its start (all activations + loss grads), inside the last block (a recomputed
-    # block + its working set) or at its end (all grads); each is a candidate, the largest wins.
-    acts_b, grads_b, temps_b = a_blocks + a_head, grads_persist, bwd_t + loss_bwd
-    inside = (a_blocks + a_logits + recompute, grads_persist, bwd_t + bwd_work)
-    if inside[0] + inside[1] + inside[2] > acts_b + grads_b + temps_b:
-        acts_b, grads_b, temps_b = inside
-    if a_logits + grads_full + bwd_t + bwd_end_extra > acts_b + grads_b + temps_b:
-        acts_b, grads_b, temps_b = a_logits, grads_full, bwd_t + bwd_end_extra
+               "activations": a_blocks + a_head, "temporaries": fwd_temps}
+    # Backward peaks at its start (all activations + loss gradients), inside the first block it
+    # reaches (a recomputed block + one block's gradient working set), inside the last block (nearly
+    # every gradient + that block's activations) or at its end (all gradients); the largest wins.
+    acts_b, grads_b, temps_b = a_blocks + a_head, grads_persist, t_start + loss_bwd + wcopy
+    last_acts = (prof.ckpt_input * tokens if n_ckpt else a_block) + recompute if prof is not None else 0
+    done = 1.0 - (model.block_params + model.vocab_size * model.hidden_size) / model.n_params \
+        if model.has_shape and model.n_params else 0.0
+    grads_last = grads_persist + int((grads_full - grads_persist) * max(done, 0.0))
+    for cand in ((a_blocks + recompute, grads_persist, t_inside + bwd_work + wcopy),
+                 (last_acts, grads_last, t_inside + bwd_work),
+                 (0, grads_full, t_end + bwd_end_extra)):
+        if cand[0] + cand[1] + cand[2] > acts_b + grads_b + temps_b:
+            acts_b, grads_b, temps_b = cand
     backward = {"params": params, "grads": grads_b, "optimizer": opt, "activations": acts_b, "temporaries": temps_b}
     phases = {
-        "load": {"params": params, "grads": grads_persist, "optimizer": opt, "activations": 0, "temporaries": persist_t},
+        "load": {"params": params, "grads": max(grads_persist, grads_rest), "optimizer": opt, "activations": 0,
+                 "temporaries": persist_t},
         "forward": forward,
         "backward": backward,
         "optimizer": {"params": params, "grads": grads_full + grads_step, "optimizer": opt, "activations": 0,
                       "temporaries": opt_t},
-        "checkpoint": {"params": params, "grads": grads_persist, "optimizer": opt, "activations": 0,
+        "checkpoint": {"params": params, "grads": max(grads_persist, grads_rest), "optimizer": opt, "activations": 0,
                        "temporaries": ckpt_t},
     }
     states_sum = params + opt
-    peak = states_sum + max(grads_persist + persist_t, grads_persist + a_blocks + a_head + fwd_t + fwd_extra,
-                            grads_b + acts_b + temps_b, grads_full + grads_step + opt_t, grads_persist + ckpt_t)
+    rest = max(grads_persist, grads_rest)
+    peak = states_sum + max(rest + persist_t, grads_persist + a_blocks + a_head + fwd_temps,
+                            grads_b + acts_b + temps_b, grads_full + grads_step + opt_t, rest + ckpt_t)
     if device == "cuda" and accounting == "real":
         hybrid = shard not in (1, world)
         overhead = {"cuda_context": ovh.cuda_context_bytes(),
@@ -386,7 +415,7 @@ def _assumptions(plan, regime, shard, accounting, device, checkpoint, base) -> l
            f"micro-batch {t.micro_batch} x seq {t.seq_len}, activation checkpointing {t.activation_checkpointing}, "
            f"attention {t.attention}",
            f"checkpoint save: {checkpoint}; device: {device}; accounting: {accounting}",
-           "the training loop keeps the model output (logits) alive until backward ends"]
+           "loop does `loss = model(**batch).loss`: the logits are freed before backward"]
     if t.lora is not None:
         out.append(f"LoRA r={t.lora.rank} on {','.join(t.lora.target_modules)}: adapters fp32, base "
                    f"{t.lora.base_dtype} frozen")

@@ -3,28 +3,51 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from shardfit.fit.families import TIE
 from shardfit.fit.steptime import comm_volume
 from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import CATALOG, get_gpu
 from shardfit.spec.plan import LoRA, Strategy
 
-TIE = 0.02
-
-
-def _gib(n: float) -> str:
-    return fmt_bytes(n)
-
-
-def _ac(plan) -> str:
-    return plan.training.activation_checkpointing
 
 
 def _inter_bytes(plan) -> float:
     return sum(volume for link, (volume, _, _) in comm_volume(plan).items() if link.startswith("inter"))
 
 
+def _why(cause: str, c, best) -> str:
+    t, b = c.time, best.time
+    ct, bt = c.plan.training, best.plan.training
+    if cause == "comm":
+        inter_c, inter_b = _inter_bytes(c.plan), _inter_bytes(best.plan)
+        if c.plan.cluster.nodes > 1 and inter_c > inter_b * 1.05:
+            why = (f"{inter_c / 1e9:,.0f} GB per step cross the inter-node network vs {inter_b / 1e9:,.0f} GB for "
+                   f"{best.family}")
+            if best.plan.strategy.shard_group_size:
+                why += " (hybrid sharding keeps parameter all-gathers inside a node)"
+            return why
+        if b.comm_bytes > 0:
+            more = t.comm_bytes / b.comm_bytes - 1
+            why = f"{more:.0%} more communication per step" if more > 0.005 else "less of its communication overlaps compute"
+        else:
+            why = "it communicates where the winner does not"
+        if c.plan.strategy.shards_params and not best.plan.strategy.shards_params:
+            why += " (parameters are gathered again for every micro-batch)"
+        return why
+    if cause == "compute":
+        if ct.activation_checkpointing != bt.activation_checkpointing and ct.activation_checkpointing != "none":
+            return f"activation checkpointing ({ct.activation_checkpointing}) recomputes the forward"
+        if ct.micro_batch < bt.micro_batch:
+            return f"it only fits micro-batch {ct.micro_batch} (vs {bt.micro_batch}), which runs the GPU less efficiently"
+        return "more compute per step"
+    if cause == "offload":
+        return "host-link traffic and CPU optimizer steps every step"
+    return "a slower optimizer update"
+
+
 def slower_reason(c, best) -> str:
-    """One line: how `c` fits and what makes it slower than `best` (largest contributor)."""
+    """One line: how `c` fits and what makes it slower than `best`: every part of the step that adds at
+    least a quarter of the difference, largest first."""
     t, b = c.time, best.time
     ratio = t.total_s / b.total_s if b.total_s else 1.0
     ct = c.plan.training
@@ -33,34 +56,9 @@ def slower_reason(c, best) -> str:
         return f"{head} and is about as fast (x{ratio:.2f}), but {best.family} comes first in the field's order"
     deltas = {"comm": t.exposed_comm_s - b.exposed_comm_s, "compute": t.compute_s - b.compute_s,
               "offload": t.offload_s - b.offload_s, "optimizer": t.optimizer_s - b.optimizer_s}
-    cause = max(deltas, key=deltas.get)
-    inter_c, inter_b = _inter_bytes(c.plan), _inter_bytes(best.plan)
-    if cause == "comm" and c.plan.cluster.nodes > 1 and inter_c > inter_b * 1.05:
-        why = (f"{inter_c / 1e9:,.0f} GB per step cross the inter-node network vs {inter_b / 1e9:,.0f} GB for "
-               f"{best.family}")
-        if best.plan.strategy.shard_group_size:
-            why += " (hybrid sharding keeps parameter all-gathers inside a node)"
-    elif cause == "comm":
-        if b.comm_bytes > 0:
-            more = t.comm_bytes / b.comm_bytes - 1
-            why = f"{more:.0%} more communication per step" if more > 0.005 else "less of its communication overlaps compute"
-        else:
-            why = "it communicates where the winner does not"
-        if c.plan.strategy.shards_params and not best.plan.strategy.shards_params:
-            why += " (parameters are gathered again for every micro-batch)"
-    elif cause == "compute":
-        bt = best.plan.training
-        if ct.activation_checkpointing != bt.activation_checkpointing and ct.activation_checkpointing != "none":
-            why = f"activation checkpointing ({ct.activation_checkpointing}) recomputes the forward"
-        elif ct.micro_batch < bt.micro_batch:
-            why = f"it only fits micro-batch {ct.micro_batch} (vs {bt.micro_batch}), which runs the GPU less efficiently"
-        else:
-            why = "more compute per step"
-    elif cause == "offload":
-        why = "host-link traffic and CPU optimizer steps every step"
-    else:
-        why = "a slower optimizer update"
-    return f"{head} but a step takes x{ratio:.2f} as long: {why}"
+    worse = sum(d for d in deltas.values() if d > 0)
+    causes = [k for k in sorted(deltas, key=deltas.get, reverse=True) if deltas[k] > 0 and deltas[k] >= 0.25 * worse]
+    return f"{head} but a step takes x{ratio:.2f} as long: " + "; ".join(_why(k, c, best) for k in causes[:2])
 
 
 def explain_rejections(best, found, smallest, all_families, searched_tiers, search) -> list:
@@ -81,16 +79,16 @@ def explain_rejections(best, found, smallest, all_families, searched_tiers, sear
             est = search.run(plan)
             if not search.host_ok(plan):
                 out.append(Rejection(family=fam.label, reason=(
-                    f"does not fit in host RAM: {_gib(search.host_bytes(plan))} per node at micro-batch 1 > "
+                    f"does not fit in host RAM: {fmt_bytes(search.host_bytes(plan))} per node at micro-batch 1 > "
                     f"{search.request.host_memory_gib:g} GiB (--host-memory-gib)")))
                 continue
             out.append(Rejection(family=fam.label, reason=(
-                f"does not fit: {_gib(peak)} at micro-batch 1 with AC {_ac(plan)} > {_gib(search.usable)} usable "
+                f"does not fit: {fmt_bytes(peak)} at micro-batch 1 with AC {plan.training.activation_checkpointing} > {fmt_bytes(search.usable)} usable "
                 f"({est.peak_category} is the largest part, at the {est.peak_phase} peak)")))
     return out
 
 
-def _lean(search, base, request, precision, loss_scaling, strategy: Strategy, **overrides):
+def _lean(base, request, precision, loss_scaling, strategy: Strategy, **overrides):
     """The leanest plan of a strategy: micro-batch 1, full activation checkpointing."""
     req = replace(request, **{k: v for k, v in overrides.items() if k in ("nodes", "gpu", "lora", "seq_len")})
     plan = base.with_changes(
@@ -103,7 +101,7 @@ def _lean(search, base, request, precision, loss_scaling, strategy: Strategy, **
     return plan
 
 
-def suggest(search, base, request, precision, loss_scaling, per_rank) -> list[str]:
+def suggest(search, base, request, precision, loss_scaling) -> list[str]:
     """When nothing fits: the smallest change that would (more GPUs, LoRA, shorter sequence, bigger GPU)."""
     # The leanest families the allowed engines have: full sharding, then full sharding with offload.
     deepspeed = "deepspeed" in request.engines or "fsdp" not in request.engines
@@ -117,33 +115,33 @@ def suggest(search, base, request, precision, loss_scaling, per_rank) -> list[st
         if "gpu" in overrides:
             limit = int(get_gpu(overrides["gpu"]).memory_bytes * (1.0 - request.margin))
         for label, strategy in lean_strategies:
-            plan = _lean(search, base, request, precision, loss_scaling, strategy, **overrides)
+            plan = _lean(base, request, precision, loss_scaling, strategy, **overrides)
             if search.fits(plan, limit):
                 return label, search.peak(plan)
         return None
 
     usable = search.usable
-    out = [f"nothing fits in {_gib(usable)} per GPU, even {lean_strategies[1][0]} with micro-batch 1 and full "
+    out = [f"nothing fits in {fmt_bytes(usable)} per GPU, even {lean_strategies[1][0]} with micro-batch 1 and full "
            "activation checkpointing"]
     for factor in (2, 4, 8, 16, 32, 64, 128):
         nodes = request.nodes * factor
         hit = first_fit(nodes=nodes)
         if hit:
             out.append(f"more GPUs: {nodes * request.gpus_per_node} ({nodes} nodes x {request.gpus_per_node}) "
-                       f"with {hit[0]} needs {_gib(hit[1])} per GPU (--nodes {nodes})")
+                       f"with {hit[0]} needs {fmt_bytes(hit[1])} per GPU (--nodes {nodes})")
             break
     if request.lora is None and base.model.has_shape:
         for lora, flag in ((LoRA(rank=16), "--lora-r 16"), (LoRA(rank=16, base_dtype="nf4"), "--lora-r 16 --lora-base nf4")):
             hit = first_fit(lora=lora)
             if hit:
-                out.append(f"LoRA: {flag} with {hit[0]} needs {_gib(hit[1])} per GPU")
+                out.append(f"LoRA: {flag} with {hit[0]} needs {fmt_bytes(hit[1])} per GPU")
                 break
     if base.model.has_shape:
         seq = request.seq_len // 2
         while seq >= 128:
             hit = first_fit(seq_len=seq)
             if hit:
-                out.append(f"shorter sequence: --seq {seq} with {hit[0]} needs {_gib(hit[1])} per GPU")
+                out.append(f"shorter sequence: --seq {seq} with {hit[0]} needs {fmt_bytes(hit[1])} per GPU")
                 break
             seq //= 2
     for gpu in sorted(CATALOG.values(), key=lambda g: g.memory_gib):

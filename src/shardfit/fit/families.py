@@ -16,6 +16,8 @@ from shardfit.spec.plan import Strategy
 # reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h², persistence threshold = 10·h).
 BUCKET_VARIANTS = ("default", "auto")
 AC_OPTIONS = ("none", "every-2", "full")
+# Two plans within this fraction of each other's step time count as a tie: the field's order decides.
+TIE = 0.02
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ rest of the global batch. Every plan returned was checked by the estimator itsel
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shardfit.errors import ShardfitError
-from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, Family, bucket_changes, engine_of, families
+from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import GPU, get_gpu
@@ -18,8 +18,6 @@ from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import LoRA, Plan, validate_plan
 
 GIB = 1024**3
-# Two plans within this fraction of each other's step time count as a tie: the field's order decides.
-TIE = 0.02
 MAX_MICRO_BATCH = 64
 
 
@@ -141,7 +139,6 @@ def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, pe
     if strategy.is_deepspeed:
         changes = bucket_changes(buckets, base.model.hidden_size)
         if changes:
-            from dataclasses import replace
             strategy = replace(strategy, **changes)
     return base.with_changes(
         strategy=strategy,
@@ -179,6 +176,28 @@ def _sorted(cands: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_options):
+    """Each AC setting and buffer variant's largest fitting micro-batch, ranked; and, when none fits,
+    the leanest plan tried (for the "does not fit" reason)."""
+    cands: list[Candidate] = []
+    lean: tuple[int, Plan] | None = None
+    variants = BUCKET_VARIANTS if fam.strategy.is_deepspeed else ("default",)
+    for ac in ac_options:
+        for buckets in variants:
+            make = make_for(fam, ac, buckets)
+            plan = _largest_fitting(search, make, micro_options)
+            if plan is None:
+                tried = make(micro_options[0])
+                peak = search.peak(tried) if search.host_ok(tried) else 2**62
+                if lean is None or peak <= lean[0]:  # ties go to the later, leaner setting
+                    lean = (peak, tried)
+                continue
+            cands.append(Candidate(family=fam.label, plan=plan, peak_bytes=search.peak(plan),
+                                   time=step_time(plan, search.gpu),
+                                   order=fam.order * 10 + ac_options.index(ac) * 2 + variants.index(buckets)))
+    return _sorted(cands), (lean if not cands else None)
+
+
 def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     """The fastest plan predicted to fit with margin, alternatives, and why each family lost."""
     from shardfit.fit.explain import explain_rejections, suggest
@@ -209,43 +228,32 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     if not all_families:
         raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search: use ddp, deepspeed or fsdp")
 
+    def make_for(fam: Family, ac: str, buckets: str):
+        return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
+                                        loss_scaling, request)
+
     found: dict[str, list[Candidate]] = {}
     smallest: dict[str, tuple[int, Plan]] = {}
     searched_tiers: set[int] = set()
-    for tier in (0, 1, 2):
+    for tier in (0, 1, 2):  # offload tiers only when the tier before found nothing
         if any(found.values()):
             break
         searched_tiers.add(tier)
         for fam in (f for f in all_families if f.tier == tier):
-            cands: list[Candidate] = []
-            variants = BUCKET_VARIANTS if fam.strategy.is_deepspeed else ("default",)
-            for ac in ac_options:
-                for buckets in variants:
-                    def make(micro, fam=fam, ac=ac, buckets=buckets):
-                        return _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len,
-                                          precision, loss_scaling, request)
-                    plan = _largest_fitting(search, make, micro_options)
-                    if plan is None:
-                        lean = make(1)
-                        peak = search.peak(lean) if search.host_ok(lean) else 2**62
-                        if fam.label not in smallest or peak <= smallest[fam.label][0]:
-                            smallest[fam.label] = (peak, lean)
-                        continue
-                    cands.append(Candidate(family=fam.label, plan=plan, peak_bytes=search.peak(plan),
-                                           time=step_time(plan, search.gpu),
-                                           order=fam.order * 10 + ac_options.index(ac) * 2 + variants.index(buckets)))
-            found[fam.label] = _sorted(cands)
+            found[fam.label], lean = _search_family(search, fam, make_for, ac_options, micro_options)
+            if lean is not None:
+                smallest[fam.label] = lean
     ranked = _sorted([c[0] for c in found.values() if c])
     best = ranked[0] if ranked else None
     if best is not None:
         warnings = validate_plan(best.plan)
         notes += [f"note: {w}" for w in warnings]
-        host = sum(search.run(best.plan).host.values()) * request.gpus_per_node
         if best.plan.strategy.offload_optimizer or best.plan.strategy.offload_params:
-            notes.append(f"offload needs {fmt_bytes(host)} of host RAM per node: check with --host-memory-gib")
+            notes.append(f"offload needs {fmt_bytes(search.host_bytes(best.plan))} of host RAM per node: "
+                         "check with --host-memory-gib")
     alternatives = tuple(ranked[1:1 + request.top])
     rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
-    suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling, per_rank))
+    suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling))
     return FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
                      alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
                      suggestions=suggestions, estimates=search.calls, smallest=smallest)

@@ -46,9 +46,19 @@ _DS_NAMED = {
 _DS_TEMP_HINTS = ("ipg", "bucket", "buffer")
 
 
+_PLAIN = None
+
+
 def storages_of(tensor):
     """Untyped storages behind a tensor, looking through DTensor and other wrapper subclasses.
     Private torch helper, pinned by tests/measure/test_torch_private_api.py."""
+    global _PLAIN
+    if _PLAIN is None:
+        import torch
+
+        _PLAIN = (torch.Tensor, torch.nn.Parameter)
+    if type(tensor) in _PLAIN:  # the common case, without the subclass walk
+        return (tensor.untyped_storage(),)
     from torch.distributed._tools.common_utils import get_untyped_storages
 
     return get_untyped_storages(tensor)
@@ -128,14 +138,28 @@ def _optimizer_state_tensors(optimizer):
                     yield value
 
 
-def _fsdp1_rules(module):
-    """FSDP1 (use_orig_params=False): the gathered flat parameter and its low-precision shard are
-    temporaries; the saved gradient shard is a gradient."""
-    handles = []
+def fsdp_units(module) -> tuple[list, list]:
+    """FSDP1 flat-parameter handles and FSDP2 parameter groups of a wrapped model (walked once per
+    scan target: the module tree does not change after wrapping)."""
+    handles, groups = [], []
     for sub in module.modules():
         handle = getattr(sub, "_handle", None)
         if handle is not None and hasattr(handle, "flat_param"):
             handles.append(handle)
+        get_state = getattr(sub, "_get_fsdp_state", None)
+        if get_state is not None:
+            try:
+                group = get_state()._fsdp_param_group
+            except Exception:  # noqa: BLE001 - not an FSDP2 module after all
+                group = None
+            if group is not None:
+                groups.append(group)
+    return handles, groups
+
+
+def _fsdp1_rules(handles):
+    """FSDP1: the gathered flat parameter and its low-precision shard are temporaries; the saved
+    gradient shard is a gradient."""
     for handle in handles:
         flat = handle.flat_param
         for name in ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded"):
@@ -151,19 +175,10 @@ def _fsdp1_rules(module):
             yield local, "params"
 
 
-def _fsdp2_rules(module):
+def _fsdp2_rules(groups):
     """FSDP2: unsharded parameters and all-gather outputs are temporaries; sharded data is params
     (host with CPUOffloadPolicy)."""
-    for sub in module.modules():
-        get_state = getattr(sub, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        try:
-            group = get_state()._fsdp_param_group
-        except Exception:  # noqa: BLE001 - not an FSDP2 module after all
-            continue
-        if group is None:
-            continue
+    for group in groups:
         for fsdp_param in group.fsdp_params:
             offload = getattr(fsdp_param, "offload_to_cpu", False)
             for name in ("_sharded_param_data", "_sharded_post_forward_param_data"):
@@ -182,11 +197,13 @@ def _fsdp2_rules(module):
                 yield unsharded, "temporaries"
 
 
-def engine_rules(model, optimizers):
-    """(tensor, category) pairs from the engines' known buffers; evaluated at every scan."""
+def engine_rules(model, optimizers, units=None):
+    """(tensor, category) pairs from the engines' known buffers; evaluated at every scan.
+    units: fsdp_units(model), cached by the caller."""
     if model is not None:
-        yield from _fsdp1_rules(model)
-        yield from _fsdp2_rules(model)
+        handles, groups = units if units is not None else fsdp_units(model)
+        yield from _fsdp1_rules(handles)
+        yield from _fsdp2_rules(groups)
     for optimizer in optimizers:
         if _is_deepspeed_zero(optimizer):
             yield from deepspeed_rules(optimizer)

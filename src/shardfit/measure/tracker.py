@@ -20,11 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardfit.measure.categories import ALL_CATEGORIES, CATEGORIES, HOST, engine_rules, parameter_rules, storages_of
+from shardfit.measure.categories import (ALL_CATEGORIES, CATEGORIES, HOST, engine_rules, fsdp_units, parameter_rules,
+                                         storages_of)
 
 # Ops whose outputs are communication buffers, whatever the phase (c10d collectives, FSDP2 copy-in/out).
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "fsdp", "c10d_functional")
-_RESCAN_GROWTH = 1.01
+# Mid-phase scans (backward and after) when the phase peak grew by this factor since the last one.
+_RESCAN_GROWTH = 1.05
 _TO_COPY = torch.ops.aten._to_copy.default
 
 
@@ -78,6 +80,7 @@ class Accountant(TorchDispatchMode):
         self.device_type = device_type
         self._records = WeakIdKeyDictionary()
         self._refs: dict[int, weakref.ref] = {}
+        self._units, self._units_of = None, None
         self._live_by_cat = _zero()
         self._t = 0
         self._phase = "load"
@@ -190,7 +193,9 @@ class Accountant(TorchDispatchMode):
         if live > self._peak_total:
             self._peak_total = live
             self._peak_t = self._t
-            if live > self._scanned_peak * _RESCAN_GROWTH:
+            # In forward nothing changes owner (parameters and states are scanned at its start),
+            # so only later phases rescan mid-way: grads appear, partitions get assigned.
+            if self._phase != "forward" and live > self._scanned_peak * _RESCAN_GROWTH:
                 self._scan_pending = True
 
     # ---- identity scans ------------------------------------------------------------------------
@@ -198,8 +203,10 @@ class Accountant(TorchDispatchMode):
         """Give every storage we can name its category (parameters, grads, states, engine buffers)."""
         self._scan_pending = False
         self._scanned_peak = max(self._peak_total, 1)
+        if self.model is not None and self._units_of is not self.model:
+            self._units, self._units_of = fsdp_units(self.model), self.model
         rules = list(parameter_rules(self.model, self.optimizers))
-        rules += list(engine_rules(self.model, self.optimizers))  # engine rules win: applied last
+        rules += list(engine_rules(self.model, self.optimizers, self._units))  # engine rules win: applied last
         for tensor, category in rules:
             if tensor.device.type == "meta":
                 continue
@@ -238,7 +245,7 @@ class Accountant(TorchDispatchMode):
         return self._phase
 
     def begin_phase(self, name: str, stats: PhaseStats):
-        self.end_phase()
+        self.end_phase(next_phase=name)
         self.scan()
         self._phase = name
         self._phase_default = "activations" if name == "forward" else "temporaries"
@@ -250,12 +257,12 @@ class Accountant(TorchDispatchMode):
         self._peak_t = self._t
         self._scanned_peak = self._peak_total
 
-    def end_phase(self):
+    def end_phase(self, next_phase: str | None = None):
         stats = self._current
         if stats is None:
             return
         self.scan()
-        if self._phase == "forward":
+        if self._phase == "forward" and next_phase == "backward":
             # Activations are what forward leaves for backward. A forward tensor already freed when
             # forward ends (the loss's fp32 upcast, a norm's intermediate) was a temporary.
             for record in self._dead:

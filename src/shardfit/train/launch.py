@@ -69,6 +69,11 @@ def build_plan(args):
     from shardfit.spec.plan import parse_strategy, plan_from_dict
 
     data = read_plan_dict(args.plan)
+    if args.resume and not args.plan:
+        # Resuming without a plan file continues the checkpoint's own plan (flags still override it).
+        from shardfit.train.checkpoint import resolve_resume
+
+        data = read_plan_dict(str(resolve_resume(args.resume, Path(args.out)) / "plan.yaml"))
     for section in ("strategy", "training", "schedule", "data", "cluster"):
         data[section] = dict(data.get(section) or {})
     if args.model:

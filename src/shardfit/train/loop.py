@@ -51,9 +51,20 @@ def seed_everything(seed: int) -> None:
 
 
 def build_model(plan):
-    """On CPU, fp32, seeded: every engine and every rank starts from the same weights."""
+    """On CPU, fp32, seeded: every engine and every rank starts from the same weights. A local model
+    folder with weights (e.g. one `shardfit export` wrote) starts from those weights instead."""
     from shardfit.modeling import build_model as build
 
+    source = Path(plan.model.source)
+    folder = source.parent if source.name == "config.json" else source
+    if folder.is_dir() and any(folder.glob("*.safetensors")):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(plan.schedule.seed)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                     attn_implementation=plan.training.attention)
+        model.config.use_cache = False  # a KV cache under activation checkpointing breaks recompute
+        return model.train()
     return build(plan.model, device="cpu", dtype="fp32", seed=plan.schedule.seed,
                  attn_implementation=plan.training.attention)
 

@@ -1,0 +1,146 @@
+"""Crash-safe training with 2 real ranks: kill -9 mid-save and mid-step under torchrun restarts,
+damaged checkpoints, weights-only loading, and a hung rank that must end the job in bounded time.
+
+Three torchrun jobs in all (the machine is small): an uninterrupted reference run, one job that is
+killed twice (attempt 0 dies in the step-4 save, attempt 1 mid-step 5) and must still finish with
+the reference's losses, and one job where a rank stops answering.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+import launch
+
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+TRAIN = ["-m", "shardfit", "train", "--model", "tiny-llama", "--strategy", "ddp", "--precision", "fp32",
+         "--micro-batch", "2", "--seq", "64", "--steps", "6", "--save-every", "2", "--keep", "3", "--log-every", "1",
+         "--eval-every", "0", "--lr", "3e-3", "--no-progress"]
+
+
+def losses(out) -> dict:
+    """step -> loss; a step replayed after a restart keeps its last value."""
+    found = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        found[record["step"]] = record["loss"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("crash") / "reference"
+    launch.torchrun(TRAIN + ["--out", str(out)], timeout=240)
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed_twice(tmp_path_factory):
+    out = tmp_path_factory.mktemp("crash") / "killed"
+    env = launch.test_env(SHARDFIT_TEST_KILL_AT="save:4:rank:1:attempt:0,step:5:rank:1:attempt:1")
+    result = launch.torchrun(["--max-restarts=2"] + TRAIN + ["--out", str(out), "--resume", "auto"], env=env,
+                             timeout=400)
+    return out, result
+
+
+def test_killed_mid_save_and_mid_step_resumes_and_matches(reference, killed_twice):
+    out, result = killed_twice
+    log = result.stdout + result.stderr
+    assert "[fault] rank 1: kill at save 4 (attempt 0)" in log
+    assert "[fault] rank 1: kill at step 5 (attempt 1)" in log
+    # Attempt 1 resumed from step 2 (step 4 was never completed), attempt 2 from step 4.
+    resumed = re.findall(r"resumed from \S+/(step-\d+) at step (\d+)", log)
+    assert resumed == [("step-2", "2"), ("step-4", "4")], log[-3000:]
+    expected, got = losses(reference), losses(out)
+    assert sorted(got) == list(range(1, 7))
+    # DDP in fp32 on CPU is deterministic and the RNG/data position are restored: exact continuation.
+    assert got == expected
+
+
+def test_partial_checkpoint_never_listed_and_all_verify(killed_twice):
+    from shardfit.train import manifest
+
+    out, _ = killed_twice
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-2", "step-4", "step-6"]
+    for folder in manifest.step_folders(root):
+        assert manifest.problems(folder) == []
+        table = manifest.read_manifest(folder)["files"]
+        assert any(name.startswith("dcp/") for name in table) and "rng/rank-1.pt" in table
+
+
+def test_checkpoint_files_load_weights_only(reference):
+    from shardfit.train.checkpoint import set_rng_state
+
+    step = reference / "checkpoints" / "step-6"
+    trainer = torch.load(step / "trainer.pt", weights_only=True)
+    assert trainer["step"] == 6
+    state = torch.load(step / "rng" / "rank-0.pt", weights_only=True)
+    set_rng_state(state)  # round trip: python, numpy and torch states restore from the safe form
+
+
+def _copy(reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    return run
+
+
+def test_truncated_file_named_and_latest_valid_falls_back(reference, tmp_path, capsys):
+    from shardfit.cli import main
+    from shardfit.train.checkpoint import resolve_resume
+
+    run = _copy(reference, tmp_path)
+    shard = sorted((run / "checkpoints" / "step-6" / "dcp").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    rc = main(["export", str(run / "checkpoints" / "step-6"), "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert str(shard) in err[0] and "truncated" in err[0] and "latest-valid" in err[0]
+    assert not (tmp_path / "hf").exists()
+    skipped = []
+    assert resolve_resume("latest-valid", run, log=skipped.append) == run / "checkpoints" / "step-4"
+    assert len(skipped) == 1 and "step-6" in skipped[0] and shard.name in skipped[0]
+
+
+def test_flipped_byte_and_missing_manifest(reference, tmp_path):
+    from shardfit.errors import ShardfitError
+    from shardfit.train.checkpoint import read_manifest, resolve_resume
+
+    run = _copy(reference, tmp_path)
+    rng = run / "checkpoints" / "step-6" / "rng" / "rank-1.pt"
+    data = bytearray(rng.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different content
+    rng.write_bytes(bytes(data))
+    with pytest.raises(ShardfitError, match=r"rank-1\.pt is corrupted: its sha256 differs"):
+        read_manifest(run / "checkpoints" / "step-6")
+    (run / "checkpoints" / "step-4" / "manifest.json").unlink()  # a save that never finished
+    assert resolve_resume("latest-valid", run) == run / "checkpoints" / "step-2"
+    assert resolve_resume("auto", tmp_path / "empty") is None
+    with pytest.raises(ShardfitError, match="no intact checkpoint"):
+        resolve_resume("latest-valid", tmp_path / "empty")
+
+
+def test_hung_rank_ends_within_timeout(tmp_path):
+    timeout = 8
+    env = launch.test_env(SHARDFIT_TEST_HANG_AT="step:3:rank:1")
+    started = time.monotonic()
+    result = launch.torchrun(TRAIN + ["--out", str(tmp_path / "hang"), "--save-every", "0",
+                                      "--collective-timeout", str(timeout)], env=env, timeout=240, check=False)
+    wall = time.monotonic() - started
+    log = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "[fault] rank 1: hang at step 3" in log
+    line = next((l for l in log.splitlines() if "shardfit: error: hang:" in l), None)
+    assert line is not None, log[-3000:]
+    # Rank 0 names where it waited, which rank is missing and where that rank was last seen.
+    assert "rank 0 waited" in line and "step 3 all_reduce(loss)" in line, line
+    assert "rank 1 is stuck after step 3 forward/backward" in line, line
+    waited = float(re.search(r"waited (\d+) s", line).group(1))
+    assert timeout <= waited <= timeout + 5
+    assert wall < 200, f"the job took {wall:.0f} s to end"
