@@ -5,7 +5,7 @@
 
 Runs, in one process group: our loop on fsdp2 vs a minimal FSDP2 loop (fully_shard per block and
 root, AdamW, clip, step), and our loop on zero3 vs a raw DeepSpeed engine loop (engine(batch),
-engine.backward, engine.step). Each pair runs twice, alternating, and the best median step time of
+engine.backward, engine.step). Each pair runs three times, alternating, and the best median step time of
 each side counts (the machine is shared: medians of alternating runs resist noise). Target: <= 1.03.
 """
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main() -> int:
     for kind in args.engines.split(","):
         plan = plan_for(args, kind)
         ours_times, raw_times = [], []
-        for _ in range(2):  # alternate: A B A B
+        for _ in range(3):  # alternate: A B A B A B
             ours_times.append(ours(plan, ctx))
             raw_times.append(pairs[kind](plan, ctx))
         rows.append((kind, min(ours_times), min(raw_times)))

@@ -79,3 +79,14 @@ def test_a_plan_file_is_benched_as_written(tmp_path):
     loaded = load_bench_plan(str(path), 2)
     assert loaded.training == plan.training and loaded.strategy == plan.strategy
     assert loaded.model.n_params == plan.model.n_params
+
+
+def test_a_16_bit_plan_is_judged_against_a_separate_fp32_ddp_reference():
+    plan = default_plan(2).with_changes(training={"precision": "bf16"})
+    reference = {"strategy": "ddp", "status": "ok", "precision": "fp32", "loss": {"final": 4.00, "k": 7}}
+    results = [{"strategy": "ddp", "status": "ok", "world_size": 2, "loss": {"final": 4.01, "k": 7}, "memory": {"peak_bytes": 1}},
+               {"strategy": "zero2", "status": "ok", "world_size": 2, "loss": {"final": 4.30, "k": 7}, "memory": {"peak_bytes": 1}}]
+    analysis.compare(results, plan, reference)
+    ddp, zero2 = (r["correctness"] for r in results)
+    assert ddp["reference"] == "ddp/fp32" and ddp["status"] == "match" and ddp["rel_diff"] == pytest.approx(0.0025)
+    assert zero2["status"] == "diverged" and zero2["likely_cause"]

@@ -115,8 +115,9 @@ def test_full_shard_across_nodes_on_slow_links(tmp_path):
     assert finding.severity == "warning" and "HYBRID_SHARD" in finding.fix
     assert "full-shard-slow-links" not in rules(hybrid, gpu=H100)
     assert "full-shard-slow-links" not in rules(write(tmp_path, "one.yaml", accel_fsdp()), gpu=H100)
-    # One node without NVLink: a note, not a warning.
-    assert rules(write(tmp_path, "pcie.yaml", accel_fsdp()), gpu=get_gpu("L40S"))["full-shard-slow-links"].severity == "info"
+    # One node without NVLink: the all-gathers cross PCIe.
+    pcie = rules(write(tmp_path, "pcie.yaml", accel_fsdp()), gpu=get_gpu("L40S"))["full-shard-slow-links"]
+    assert "no NVLink" in pcie.message and "SHARD_GRAD_OP" in pcie.fix
 
 
 def test_full_state_dict_on_rank0(tmp_path):
@@ -161,3 +162,36 @@ def test_a_clean_plan_has_no_errors(tmp_path):
             "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "H100-80GB"}}
     report = diagnose([write(tmp_path, "plan.yaml", plan)], Context(gpu=H100))
     assert report.files[0][1] == "plan" and report.errors == 0
+
+
+# The two DeepSpeed configs of the Polish seed article ("DeepSpeed czy FSDP w PyTorch"), verbatim.
+ARTICLE_ZERO2 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8, "bf16": {"enabled": True},
+                 "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                       "reduce_scatter": True},
+                 "gradient_clipping": 1.0, "steps_per_print": 100}
+ARTICLE_ZERO3 = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16, "bf16": {"enabled": True},
+                 "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                       "reduce_scatter": True, "allgather_partitions": True,
+                                       "allgather_bucket_size": 200000000, "reduce_bucket_size": 200000000}}
+
+
+def test_the_seed_articles_deepspeed_configs(tmp_path):
+    z2 = write(tmp_path, "zero2.json", ARTICLE_ZERO2)
+    z3 = write(tmp_path, "zero3.json", ARTICLE_ZERO3)
+    assert rules(z2, model=L8B, gpu=H100, gpus_per_node=8, seq_len=2048) == {}
+    # The same config for a 70B model does not fit at all.
+    assert rules(z2, model=L70B, gpu=H100, gpus_per_node=8, seq_len=2048)["does-not-fit"].severity == "error"
+    # "If ZeRO-2 solves the memory problem, ZeRO-3 only adds communication": for an 8B model on 8 H100s it does.
+    assert "zero3-where-zero2-fits" in rules(z3, model=L8B, gpu=H100, gpus_per_node=8, seq_len=2048)
+    assert "zero3-where-zero2-fits" not in rules(z3, model=L70B, gpu=H100, gpus_per_node=8, seq_len=2048)
+
+
+def test_use_cache_in_the_model_config_with_checkpointing(tmp_path):
+    config = write(tmp_path, "config.json", {"model_type": "llama", "use_cache": True})
+    args = write(tmp_path, "args.json", {"output_dir": "out", "per_device_train_batch_size": 1,
+                                         "gradient_checkpointing": True})
+    assert rules([args, config])["use-cache-with-checkpointing"].where.endswith("config.json")
+    off = write(tmp_path, "off.json", {"model_type": "llama", "use_cache": False})
+    assert "use-cache-with-checkpointing" not in rules([args, off])
+    no_ac = write(tmp_path, "no_ac.json", {"output_dir": "out", "per_device_train_batch_size": 1})
+    assert "use-cache-with-checkpointing" not in rules([no_ac, config])

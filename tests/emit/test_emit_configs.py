@@ -177,6 +177,8 @@ def test_fsdp_scripts_never_emit_fsdp1_hybrid_with_shard_group_of_one():
         emit(plan, "fsdp")
     text = emit(plan, "fsdp2").main  # FSDP2 handles the (2, 1) mesh correctly
     assert "SHARD_GROUP = 1" in text
+    with pytest.raises(ShardfitError, match="causal language models"):
+        emit(make("fsdp2", model=load_model_spec("tiny-bert")), "fsdp2")
     lora_plan = make("fsdp2", lora=LoRA(rank=4, base_dtype="nf4"))
     with pytest.raises(ShardfitError, match="nf4"):
         emit(lora_plan, "fsdp2")

@@ -9,12 +9,12 @@ DS_BUCKETS = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_00
 
 
 def plan(engine: str, precision: str = "fp32", ac: str = "none", steps: int = STEPS, grad_accum: int = 1,
-         save_every: int = 0, **strategy) -> dict:
+         save_every: int = 0, eval_every: int = 0, **strategy) -> dict:
     strategy = {"kind": engine, **(DS_BUCKETS if engine.startswith("zero") else {}), **strategy}
     return {"model": "tiny-llama", "strategy": strategy,
             "training": {"micro_batch": 2, "seq_len": 64, "grad_accum": grad_accum, "precision": precision,
                          "activation_checkpointing": ac},
-            "schedule": {"steps": steps, "lr": 3e-3, "warmup_steps": 1, "log_every": 100, "eval_every": 0,
+            "schedule": {"steps": steps, "lr": 3e-3, "warmup_steps": 1, "log_every": 100, "eval_every": eval_every,
                          "save_every": save_every, "keep_checkpoints": 3, "seed": 11}}
 
 
@@ -32,13 +32,18 @@ def nan_plan(policy: str) -> dict:
     return data
 
 
-def matrix_jobs(root: str) -> list[dict]:
-    jobs = []
+def matrix_jobs(root: str, reference_root: str) -> list[dict]:
+    jobs = [{"name": "fsdp2-1to2", "plan": plan("fsdp2"), "out": f"{root}/1to2",
+             "resume": f"{reference_root}/single/checkpoints/step-2"}]
     for engine in ENGINES:
         # fp32 without AC is the reference run: it also saves checkpoints, exports and generates.
-        jobs.append({"name": f"{engine}-fp32-none", "plan": plan(engine, save_every=2), "out": f"{root}/{engine}",
+        # Evaluation (val loss + a generated sample, parameters gathered) at steps 2 and 4 must not
+        # disturb training: the resumed run never evaluated at step 2 and must still match exactly.
+        jobs.append({"name": f"{engine}-fp32-none", "plan": plan(engine, save_every=2, eval_every=2),
+                     "out": f"{root}/{engine}",
                      "export": f"{root}/{engine}-hf", "logits": True, "generate": True, "count_recompute": True})
-        jobs.append({"name": f"{engine}-resume", "plan": plan(engine, save_every=2), "out": f"{root}/{engine}-resumed",
+        jobs.append({"name": f"{engine}-resume", "plan": plan(engine, save_every=2, eval_every=2),
+                     "out": f"{root}/{engine}-resumed",
                      "resume": f"{root}/{engine}/checkpoints/step-2"})
         for precision, ac in (("fp32", "full"), ("bf16", "none"), ("bf16", "full")):
             jobs.append({"name": f"{engine}-{precision}-{ac}", "plan": plan(engine, precision, ac),
@@ -67,10 +72,15 @@ def matrix_jobs(root: str) -> list[dict]:
     return jobs
 
 
+def reference_jobs(root: str) -> list[dict]:
+    """One process, before the matrix: accumulating the two ranks' micro-batches is the same math
+    as 2 ranks; its step-2 checkpoint is resumed by 2 ranks (DCP 1 -> 2)."""
+    return [{"name": "single-ddp-accum2", "plan": plan("ddp", grad_accum=2, save_every=2), "out": f"{root}/single"}]
+
+
 def single_rank_jobs(root: str, matrix_root: str) -> list[dict]:
     """One process: the reference loss (accumulating the two ranks' micro-batches) and DCP 2 -> 1."""
     return [
-        {"name": "single-ddp-accum2", "plan": plan("ddp", grad_accum=2), "out": f"{root}/single"},
         {"name": "fsdp2-2to1", "plan": plan("fsdp2", grad_accum=2, save_every=2), "out": f"{root}/2to1",
          "resume": f"{matrix_root}/fsdp2/checkpoints/step-2"},
         {"name": "fsdp2-from-zero2", "plan": plan("fsdp2", grad_accum=2), "out": f"{root}/from-zero2",

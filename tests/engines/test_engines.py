@@ -1,7 +1,8 @@
 """Every engine on 2 real CPU ranks (gloo), through the real training loop.
 
 One torchrun launch runs the whole matrix (launches cost 6-15 s each on CPU); the tests assert on
-its JSON results. A second, single-process launch gives the 1-process reference and DCP 2 -> 1.
+its JSON results. Single-process launches before and after it give the 1-process reference, DCP
+1 -> 2 and 2 -> 1, and DeepSpeed -> DCP conversions.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 import pytest
 import launch
 
-from jobs import ENGINES, STEPS, matrix_jobs, single_rank_jobs
+from jobs import ENGINES, STEPS, matrix_jobs, reference_jobs, single_rank_jobs
 
 pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed, pytest.mark.slow]
 WORKER = "tests/engines/worker.py"
@@ -28,7 +29,8 @@ def _launch(tmp, name, jobs, nproc):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("engines")
     root = str(tmp / "matrix")
-    results = _launch(tmp, "matrix", matrix_jobs(root), nproc=2)
+    results = _launch(tmp, "reference", reference_jobs(str(tmp / "reference")), nproc=1)
+    results.update(_launch(tmp, "matrix", matrix_jobs(root, str(tmp / "reference")), nproc=2))
     from shardfit.train.convert import deepspeed_to_dcp
 
     for stage in ("zero2", "zero3"):  # DeepSpeed -> DCP, resumed below by DDP / FSDP2 on one rank
@@ -78,6 +80,18 @@ def test_resume_is_bit_identical(runs, engine):
     resumed = _ok(runs, f"{engine}-resume")
     assert resumed["steps"] == list(range(3, STEPS + 1))
     assert resumed["losses"] == full["losses"][2:]  # exact equality: bit for bit
+    evals = [r for r in full["records"] if "val_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4] and all(len(r["sample_ids"]) > 0 for r in evals)
+    # The step-4 evaluation sees the same weights in both runs.
+    again = next(r for r in resumed["records"] if "val_loss" in r)
+    assert (again["val_loss"], again["sample_ids"]) == (evals[1]["val_loss"], evals[1]["sample_ids"])
+
+
+def test_dcp_checkpoint_from_one_rank_resumes_on_two(runs):
+    single = _ok(runs, "single-ddp-accum2")["losses"]
+    resumed = _ok(runs, "fsdp2-1to2")
+    assert resumed["steps"] == list(range(3, STEPS + 1))
+    assert resumed["losses"] == pytest.approx(single[2:], rel=1e-5)
 
 
 def test_dcp_checkpoint_resumes_on_one_rank(runs):

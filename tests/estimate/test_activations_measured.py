@@ -52,7 +52,7 @@ def estimated(name, precision, attention, b=2, s=64, lora=None) -> int:
     est = estimate(plan, device="cpu", explain=True)
     # autograd also saves autocast's 16-bit weight copies; the estimate files them as temporaries.
     copies = next((t.bytes for t in est.terms if t.name == "temporaries.autocast_weight_copies"), 0)
-    return est.phases["forward"]["activations"] + copies
+    return est.term("activations.blocks").bytes + est.term("activations.head").bytes + copies
 
 
 CASES = [

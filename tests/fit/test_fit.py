@@ -122,3 +122,14 @@ def test_405b_on_1024_gpus_answers_in_under_a_second_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     seconds, torch_loaded, found = out.split()
     assert float(seconds) < 1.0 and torch_loaded == "False" and found == "True"
+
+
+def test_families_the_request_rules_out_are_explained_not_searched():
+    result = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
+                            global_batch=64, optimizer="adamw8bit"))
+    reasons = {r.family: r.reason for r in result.rejected}
+    assert reasons["zero2+offload"].startswith("not possible: DeepSpeed optimizer offload runs its own CPU Adam")
+    assert result.best.plan.training.optimizer == "adamw8bit"
+    pure = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
+                          global_batch=64, precision="bf16-pure"))
+    assert not pure.best.plan.strategy.is_deepspeed and "not possible" in {r.family: r.reason for r in pure.rejected}["zero2"]

@@ -21,12 +21,12 @@ def predicted(plan) -> dict | None:
         return None
     try:
         result = estimate(plan)
+        return {"peak_bytes": result.peak_bytes, "peak_phase": result.peak_phase,
+                "by_category_at_peak": dict(result.phases[result.peak_phase]),
+                "by_phase": {phase: dict(cats) for phase, cats in result.phases.items()},
+                "device_peak_bytes": result.device_peak_bytes, "host": dict(result.host)}
     except Exception as exc:  # noqa: BLE001 - a missing prediction must not lose the measurement
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"peak_bytes": result.peak_bytes, "peak_phase": result.peak_phase,
-            "by_category_at_peak": dict(result.phases[result.peak_phase]),
-            "by_phase": {phase: dict(cats) for phase, cats in result.phases.items()},
-            "device_peak_bytes": result.device_peak_bytes, "host": dict(result.host)}
 
 
 def comm_theory(plan) -> dict:
@@ -69,11 +69,13 @@ def likely_cause(plan) -> str:
     return "unexpected for an fp32 data-parallel strategy: check seeds, data order and the LR schedule"
 
 
-def compare(results: list[dict], plan) -> None:
-    """Add `correctness` (vs the ddp result) and `memory_error` (measured vs predicted) in place."""
-    reference = next((r for r in results if r.get("strategy") == "ddp" and r.get("status") == "ok"), None)
+def compare(results: list[dict], plan, reference: dict | None = None) -> None:
+    """Add `correctness` (vs the DDP/fp32 reference: `reference`, the separate fp32 job run when
+    the plan is not fp32, else the ddp row) and `memory_error` (measured vs predicted) in place."""
+    if reference is None or reference.get("status") != "ok":
+        reference = next((r for r in results if r.get("strategy") == "ddp" and r.get("status") == "ok"), None)
     ref_loss = reference["loss"]["final"] if reference else None
-    exact_ref = reference is not None and plan.training.precision == "fp32"
+    exact_ref = reference is not None and (reference.get("precision") or plan.training.precision) == "fp32"
     for result in results:
         if result.get("status") != "ok":
             continue
@@ -81,7 +83,7 @@ def compare(results: list[dict], plan) -> None:
 
         splan = strategy_plan(plan, result["strategy"], result["world_size"])
         if ref_loss is None:
-            result["correctness"] = {"status": "no reference", "note": "ddp did not run: nothing to compare against"}
+            result["correctness"] = {"status": "no reference", "note": "the DDP reference did not run: nothing to compare against"}
         else:
             loss = result["loss"]["final"]
             rel = abs(loss - ref_loss) / abs(ref_loss)

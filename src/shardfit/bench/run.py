@@ -131,10 +131,10 @@ def _slug(label: str) -> str:
 
 
 def run_strategy(plan, label: str, *, out: Path, nproc: int, warmup: int, steps: int, budget: int,
-                 timeout: float, checkpoint: bool = True) -> dict:
+                 timeout: float, checkpoint: bool = True, folder: str | None = None) -> dict:
     """The training job of one strategy. Never raises for a failing strategy: the result's status
     says ok / oom / failed / timeout."""
-    work = out / "runs" / _slug(label)
+    work = out / "runs" / (folder or _slug(label))
     work.mkdir(parents=True, exist_ok=True)
     plan_file, result_file = work / "plan.json", work / "result.json"
     for stale in (result_file, work / "verify.json", *work.glob("*.rank*.json")):
@@ -225,8 +225,18 @@ def bench(plan, strategies: list[str], *, out: Path, nproc: int = 2, warmup: int
     if not keep_checkpoints:
         for result in results:
             shutil.rmtree(out / "runs" / _slug(result["strategy"]) / "checkpoint", ignore_errors=True)
-    analysis.compare(results, plan)
-    return {"plan": plan.to_dict(), "strategies": list(strategies), "results": results,
+    reference = None
+    if plan.training.precision != "fp32":
+        # The correctness reference is DDP in fp32 whatever the plan's precision: a 16-bit strategy
+        # is judged against exact arithmetic, not against DDP's own 16-bit drift.
+        progress(f"[ref] {'ddp (fp32 reference)':<20} running ...", end="\r")
+        reference = run_strategy(strategy_plan(plan.with_changes(training={"precision": "fp32"}), "ddp", nproc),
+                                 "ddp", out=out, nproc=nproc, warmup=warmup, steps=steps, budget=0,
+                                 timeout=timeout, checkpoint=False, folder="reference-ddp-fp32")
+        reference["precision"] = "fp32"
+        progress(f"[ref] {analysis.progress_line(reference)}")
+    analysis.compare(results, plan, reference)
+    return {"plan": plan.to_dict(), "strategies": list(strategies), "results": results, "reference": reference,
             "settings": {"nproc": nproc, "warmup": warmup, "steps": steps, "timeout_s": timeout,
                          "budgets": budgets, "checkpoint": checkpoint},
             "environment": analysis.environment(nproc),

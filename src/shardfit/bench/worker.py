@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m shardfit.bench.worker --plan P.json --out R.json --ckpt DIR
     torchrun --nproc-per-node 2 -m shardfit.bench.worker --verify JOBS.json
 
-Training (one strategy per job): `warmup + steps` steps; step 1 (or 0 with one warm-up step) is
+Training (one strategy per job): `warmup + steps` steps; the last warm-up step is
 instrumented: memory by phase and category (shardfit.measure) and collectives by kind and phase
 (bench.comm); the others are timed without instruments. Then it saves a checkpoint, takes one more
 step, and keeps the state at the save and after that step as the reference.
@@ -186,7 +186,7 @@ def train(args, plan, ctx) -> dict:
     engine = _engine(plan, ctx)
     batches = Batches(plan, ctx.rank, world)
     total = args.warmup + args.steps
-    instrumented = 1 if args.warmup >= 2 else 0  # step 0 pays lazy initialisation
+    instrumented = max(0, args.warmup - 1)  # the last warm-up step: step 0 pays lazy initialisation
     losses, times, memory, comm = [], [], None, None
     for step in range(total):
         batch = batches(step)

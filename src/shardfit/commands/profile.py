@@ -164,7 +164,10 @@ def _print_result(result: dict, plan, args) -> int:
     title = (f"{plan.model.name} · {result['label']} · {plan.training.precision} · micro-batch "
              f"{plan.training.micro_batch} × seq {plan.training.seq_len} · AC {plan.training.activation_checkpointing}"
              f" · {args.nproc} ranks · worst rank per term")
-    if result.get("comparison"):
+    if result.get("error") == "oom":
+        # A step cut short by the OOM can't be compared with a whole predicted step.
+        print(format_phase_table(result["measured"], title=title + " · measured until the OOM"))
+    elif result.get("comparison"):
         print(format_comparison(result["comparison"], title=title))
     else:
         print(format_phase_table(result["measured"], title=title + " (no estimator available)"))

@@ -112,6 +112,24 @@ def _fits(plan: Plan, ctx: Context) -> tuple[bool, int]:
 
 # ---------------------------------------------------------------- rules
 
+def does_not_fit(setup: Setup, ctx: Context) -> list[Finding]:
+    # Unknown checkpointing (DeepSpeed JSON doesn't say; it is set in code) counts as on: only a run
+    # that fails even then is reported.
+    plan = plan_of(setup, ctx, activation_checkpointing=setup.activation_checkpointing is not False)
+    if plan is None:
+        return []
+    fits, peak = _fits(plan, ctx)
+    if fits:
+        return []
+    return [Finding(rule="does-not-fit", severity="error",
+                    message=f"this run is predicted to need {peak / GIB:.1f} GiB per GPU on a {ctx.gpu.memory_gib:g} GiB "
+                            f"{ctx.gpu.name} (micro-batch {plan.training.micro_batch}, seq {plan.training.seq_len}, "
+                            f"{plan.strategy.label}, AC {plan.training.activation_checkpointing})",
+                    fix=f"`shardfit fit {ctx.model.name} --gpu {ctx.gpu.name} --gpus {plan.cluster.gpus_per_node} "
+                        f"--nodes {plan.cluster.nodes} --seq {plan.training.seq_len}` finds one that fits",
+                    where=setup.origin("engine"))]
+
+
 def fsdp_without_auto_wrap(setup: Setup, ctx: Context) -> list[Finding]:
     if setup.engine in ("fsdp", "fsdp2") and setup.auto_wrap is False:
         return [Finding(rule="fsdp-no-auto-wrap", severity="error",
@@ -144,7 +162,8 @@ def fp16_where_bf16(setup: Setup, ctx: Context) -> list[Finding]:
 def no_ac_long_sequences(setup: Setup, ctx: Context) -> list[Finding]:
     sharded = setup.engine in ("fsdp", "fsdp2") or (setup.engine == "deepspeed" and setup.zero_stage == 3)
     seq = ctx.seq(setup)
-    if not sharded or setup.activation_checkpointing or seq is None or seq < LONG_SEQUENCE:
+    # Only when the configs say "off": a DeepSpeed JSON can't say, the model code decides.
+    if not sharded or setup.activation_checkpointing is not False or seq is None or seq < LONG_SEQUENCE:
         return []
     severity, extra = "warning", ""
     plan = plan_of(setup, ctx)
@@ -162,6 +181,17 @@ def no_ac_long_sequences(setup: Setup, ctx: Context) -> list[Finding]:
                     fix="enable activation checkpointing (fsdp_activation_checkpointing: true, or "
                         "gradient_checkpointing / activation_checkpointing in TrainingArguments)",
                     where=setup.origin("engine"))]
+
+
+def use_cache_with_checkpointing(setup: Setup, ctx: Context) -> list[Finding]:
+    if setup.use_cache and setup.activation_checkpointing:
+        return [Finding(rule="use-cache-with-checkpointing", severity="warning",
+                        message="the model config keeps use_cache: true while activation checkpointing is on: the KV "
+                                "cache is built again in every recompute (transformers' own models switch it off with a "
+                                "warning; custom loops and models don't)",
+                        fix="set use_cache: false in the model config (model.config.use_cache = False)",
+                        where=setup.origin("use_cache"))]
+    return []
 
 
 def bucket_too_large(setup: Setup, ctx: Context) -> list[Finding]:
@@ -236,7 +266,7 @@ def full_shard_slow_links(setup: Setup, ctx: Context) -> list[Finding]:
                             "(accelerate parallelism_config dp_replicate_size = nodes), or ZeRO++ hpZ "
                             "(zero_hpz_partition_size = GPUs per node)", where=setup.origin("engine"))]
     if nodes == 1 and gpu is not None and gpu.intra_node_gbs <= 64 and (ctx.world(setup) or 1) > 1:
-        return [Finding(rule="full-shard-slow-links", severity="info",
+        return [Finding(rule="full-shard-slow-links", severity="warning",
                         message=f"{gpu.name} has no NVLink ({gpu.intra_node_gbs:g} GB/s between GPUs): parameter "
                                 "all-gathers can dominate the step",
                         fix="if it fits, shard only gradients and optimizer state (SHARD_GRAD_OP / ZeRO-2)",
@@ -300,9 +330,9 @@ def zero12_nvme_offload(setup: Setup, ctx: Context) -> list[Finding]:
     return []
 
 
-RULES = (fsdp_without_auto_wrap, fp16_without_loss_scaling, fp16_where_bf16, no_ac_long_sequences, bucket_too_large,
-         zero3_where_zero2_fits, offload_not_needed, full_shard_slow_links, full_state_dict_rank0, batch_mismatch,
-         fsdp1_hybrid_group_of_one, zero12_nvme_offload)
+RULES = (does_not_fit, fsdp_without_auto_wrap, fp16_without_loss_scaling, fp16_where_bf16, no_ac_long_sequences,
+         use_cache_with_checkpointing, bucket_too_large, zero3_where_zero2_fits, offload_not_needed,
+         full_shard_slow_links, full_state_dict_rank0, batch_mismatch, fsdp1_hybrid_group_of_one, zero12_nvme_offload)
 
 
 def with_model(ctx: Context, model: ModelSpec | None) -> Context:

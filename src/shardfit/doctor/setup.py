@@ -115,7 +115,7 @@ def from_accelerate(d: dict, path: Path) -> dict:
         if ds.get("deepspeed_config_file"):
             file = Path(ds["deepspeed_config_file"])
             file = file if file.is_absolute() else path.parent / file
-            facts.update({k: v for k, v in from_deepspeed(_load_json(file)).items() if v is not None})
+            facts.update({k: v for k, v in from_deepspeed(_load(file)).items() if v is not None})
         facts.update(engine="deepspeed")
         for key, fact in (("zero_stage", "zero_stage"), ("gradient_accumulation_steps", "grad_accum")):
             if ds.get(key) is not None:
@@ -161,7 +161,7 @@ def from_hf_args(d: dict) -> dict:
     config = {k[5:] if k.startswith("fsdp_") else k: v for k, v in config.items()}
     if d.get("deepspeed"):
         ds = d["deepspeed"]
-        ds = ds if isinstance(ds, dict) else _load_json(Path(ds))
+        ds = ds if isinstance(ds, dict) else _load(Path(ds))
         facts.update({k: v for k, v in from_deepspeed(ds).items() if v is not None and k != "precision"})
     elif fsdp:
         items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
@@ -210,28 +210,21 @@ def from_plan(d: dict) -> dict:
     return facts
 
 
-def _load_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as exc:
-        raise ShardfitError(f"cannot read {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise ShardfitError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ShardfitError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _load_yaml(path: Path) -> dict:
+def _load(path: Path) -> dict:
+    """A config file as a mapping: YAML by extension (.yaml/.yml), JSON otherwise; errors in one line."""
     import yaml
+
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except OSError as exc:
         raise ShardfitError(f"cannot read {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ShardfitError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
+    try:
+        data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ShardfitError(f"{path} is not valid {kind}: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
-        raise ShardfitError(f"{path} must hold a mapping, got {type(data).__name__}")
+        raise ShardfitError(f"{path} must hold a mapping (a {kind} object), got {type(data).__name__}")
     return data
 
 
@@ -250,7 +243,7 @@ def read_file(path: str | Path) -> tuple[str, dict]:
         if any(name in text for name in _AC_CALLS):
             facts["activation_checkpointing"] = True
         return "python", facts
-    data = _load_yaml(path) if path.suffix in (".yaml", ".yml") else _load_json(path)
+    data = _load(path)
     if "distributed_type" in data or "compute_environment" in data:
         return "accelerate", from_accelerate(data, path)
     if "model" in data and ({"strategy", "training", "cluster"} & set(data)):

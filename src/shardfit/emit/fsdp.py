@@ -185,6 +185,9 @@ def fsdp_script(plan: Plan, version: int) -> str:
     if config is None:
         raise ShardfitError(f"model '{plan.model.name}' is not a transformers model: the FSDP script needs a preset "
                             "or a config.json; for your own nn.Module use --format accelerate or torchrun")
+    if not plan.model.causal_lm:
+        raise ShardfitError(f"the FSDP script trains causal language models and {plan.model.name} is not one: "
+                            "use --format accelerate or hf-trainer with your own training script")
     if t.lora is not None and t.lora.base_dtype in ("int8", "nf4"):
         raise ShardfitError(f"the FSDP script has no quantized base ({t.lora.base_dtype}): use lora.base_dtype bf16, "
                             "or --format hf-trainer with bitsandbytes")

@@ -109,8 +109,7 @@ def setup(plan, model, ctx) -> base.Engine:
         was_training = engine.module.training
         engine.module.eval()
         try:
-            with torch.no_grad():
-                # ZeRO-3's forward hooks gather each block's parameters on every rank.
+            with torch.no_grad(), _gathered(engine.module, stage):
                 yield engine
         finally:
             engine.module.train(was_training)
@@ -136,3 +135,16 @@ def setup(plan, model, ctx) -> base.Engine:
                        optimizer=optimizer, scheduler=scheduler, forward_backward=forward_backward, step=step,
                        zero_grad=zero_grad, save=save, load=load, inference=inference, full_state=full_state,
                        extra_state=extra_state)
+
+
+@contextmanager
+def _gathered(module, stage: int):
+    """ZeRO-3: gather every parameter once for the whole generation (rather than per block per
+    token); the forward hooks see them available and fetch nothing. Other stages hold full params."""
+    if stage != 3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        yield

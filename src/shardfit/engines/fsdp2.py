@@ -3,6 +3,7 @@ or over a 2-D (replicate, shard) mesh for HSDP. The optimizer is created after s
 the sharded parameters."""
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -56,5 +57,24 @@ def setup(plan, model, ctx) -> base.Engine:
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, (full.detach().cpu() if ctx.is_main else None)
 
-    return native.build_engine("fsdp2", plan, ctx, model, base.unwrap(model), optimizer, scheduler, scaler,
-                               sync, clip, full_state)
+    engine = native.build_engine("fsdp2", plan, ctx, model, base.unwrap(model), optimizer, scheduler, scaler,
+                                 sync, clip, full_state)
+    forward_only = engine.inference
+
+    @contextmanager
+    def inference():
+        # Generation runs many forwards: gather every unit once and keep it gathered until the end,
+        # instead of an all-gather per block per token.
+        model.set_reshard_after_forward(False)
+        try:
+            with forward_only() as wrapped:
+                yield wrapped
+        finally:
+            model.set_reshard_after_forward(s.reshard_after_forward)
+            model.set_reshard_after_forward(False, recurse=False)  # the root stays gathered, as in training
+            model.reshard()
+            for module in model.modules():
+                if module is not model and hasattr(module, "reshard"):
+                    module.reshard()
+
+    return dataclasses.replace(engine, inference=inference)

@@ -156,7 +156,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     host: dict[str, int] = {}
     nvme = 0
     persist_t = fwd_t = bwd_t = opt_t = ckpt_t = bwd_end_extra = grads_rest = 0
-    fwd_loss_t = fwd_block_t = t_start = t_inside = t_end = None  # None: the same as fwd_t / bwd_t
+    fwd_loss_t = fwd_block_t = t_start = t_inside = t_reduce = t_end = None  # None: fwd_t / bwd_t
+    head_grad = 0
+    grads_opt = params_opt = None  # the optimizer phase's own figures, where an engine differs
     grads_persist = grads_full = grads_step = 0
     use_ds = accounting == "deepspeed" and kind in ("zero2", "zero3")
     if accounting == "ideal" or (accounting == "deepspeed" and not use_ds):
@@ -212,6 +214,10 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                               s.ddp_gradient_as_bucket_view)
         params, opt = st.params, st.optimizer
         grads_persist, grads_full, grads_step = st.grads_persistent, st.grads_full, st.grads_step
+        if st.grads_optimizer is not None:
+            grads_opt = st.grads_optimizer
+        if st.params_optimizer is not None:
+            params_opt = st.params_optimizer
         host.update(st.host)
         nvme = st.nvme
         if explain:
@@ -246,10 +252,15 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             fwd_loss_t = root_b + (kept or (one_unit if kind == "fsdp2" else 0))
             fwd_t = fwd_block_t
             t_start = root_b + (kept or one_unit)
-            t_inside = root_b + units_b + grad_b + root_grad_b + rs_b
-            # The root reshards before its reduce-scatter: its full grad + the fp32 reduce buffers remain.
-            t_end = root_grad_b + tmp.reduce_scatter_bytes(root, shard, reduce_b, True)
-            bwd_t = t_inside
+            # Inside a block: two units and the activation grads; once its backward is done, the
+            # unit's full grad and the reduce-scatter buffers (the activation grads are gone by then).
+            t_inside = root_b + units_b
+            t_reduce = root_b + units_b + grad_b + rs_b
+            # The head's grad is a .grad of the root's (unsharded) params from the start of backward;
+            # the root reshards before its reduce-scatter: its full grad + the reduce buffers remain.
+            head_grad = root_grad_b
+            t_end = tmp.reduce_scatter_bytes(root, shard, reduce_b, True)
+            bwd_t = t_reduce
             if kind == "fsdp" and not s.offload_params:
                 grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
             opt_t = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes,
@@ -285,8 +296,13 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             part = trained / world
             if kind == "zero3":
                 bucket = tmp.zero3_ipg_bucket_bytes(s.reduce_bucket_size, lp)
-                live = tmp.zero3_live_param_bytes(largest, s.prefetch_bucket_size, s.max_live_parameters, lp)
-                mod_grad = tmp.zero3_module_grad_bytes(largest, lp)
+                # Persistent params are never gathered: only the others are fetched module by module.
+                largest_np, gatherable = sts.zero3_gathered_bounds(model, s.param_persistence_threshold)
+                if not model.has_shape:
+                    largest_np, gatherable = largest, model.n_params
+                live = min(tmp.zero3_live_param_bytes(largest_np, s.prefetch_bucket_size, s.max_live_parameters, lp),
+                           gatherable * lp)
+                mod_grad = tmp.zero3_module_grad_bytes(largest_np, lp)
                 persist_t = bucket
                 fwd_t = bucket + live
                 bwd_t = bucket + live + mod_grad
@@ -304,9 +320,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                          "full 16-bit grad of the gathered module")
             else:
                 bucket = tmp.zero12_ipg_bucket_bytes(s.reduce_bucket_size, lp, s.overlap_comm)
-                flat = tmp.zero_step_flatten_bytes(part, lp) if not s.offload_optimizer else 0
                 bwd_t = bucket
-                opt_t = flat
+                opt_t = 0
                 if not s.offload_optimizer:
                     # One flat fp32 partition is the optimizer's only "parameter".
                     opt_t += tmp.optimizer_step_temp_bytes(optimizer, impl, int(part), 4, int(part))
@@ -321,8 +336,6 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                     term("temporaries.zero_ipg_buckets", bucket, "reduce_bucket_size*lp*(2 if overlap_comm)",
                          {"reduce_bucket_size": s.reduce_bucket_size, "lp": lp, "overlap_comm": s.overlap_comm},
                          "deepspeed stage_1_and_2.py setup_buckets()")
-                    term("temporaries.zero_step_flatten", flat, "T/N*lp", {"T": trained, "N": world},
-                         "stage_1_and_2.py step(): flattened 16-bit gradient partition")
             fwd_t = max(fwd_t, persist_t)
             bwd_t = max(bwd_t, persist_t) if kind == "zero3" else bwd_t + persist_t
             opt_t += persist_t
@@ -342,6 +355,10 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         host["checkpoint_consolidation"] = int(model.n_params * (4 + sts.optimizer_state_bytes_per_param(
             optimizer, 4, factored))) if lora is None else int(trained * 16 + frozen_bytes)
     # ---- phases ----
+    if grads_opt is None:
+        grads_opt = grads_full + grads_step
+    if params_opt is None:
+        params_opt = params
     base = params + opt
     if t.grad_accum > 1:
         # Gradients accumulate across micro-steps: the next forward runs with them allocated.
@@ -349,10 +366,14 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     if fwd_loss_t is None:
         fwd_loss_t = fwd_block_t = fwd_t
     if t_start is None:
-        t_start = t_inside = t_end = bwd_t
-    fwd_temps = max(fwd_loss_t + loss_fwd, fwd_block_t + attn_fwd) + wcopy_fwd
+        t_start = t_inside = t_reduce = t_end = bwd_t
+    # Forward peaks at the loss (every activation + the logits) or inside the last block (its
+    # gathered units / eager scores, without the head's activations), whichever is larger.
+    acts_f, fwd_temps = a_blocks + a_head, fwd_loss_t + loss_fwd + wcopy_fwd
+    if a_blocks + fwd_block_t + attn_fwd + wcopy_fwd > acts_f + fwd_temps:
+        acts_f, fwd_temps = a_blocks, fwd_block_t + attn_fwd + wcopy_fwd
     forward = {"params": params, "grads": grads_persist, "optimizer": opt,
-               "activations": a_blocks + a_head, "temporaries": fwd_temps}
+               "activations": acts_f, "temporaries": fwd_temps}
     # Backward peaks at its start (all activations + loss gradients), inside the first block it
     # reaches (a recomputed block + one block's gradient working set), inside the last block (nearly
     # every gradient + that block's activations) or at its end (all gradients); the largest wins.
@@ -361,9 +382,10 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     done = 1.0 - (model.block_params + model.vocab_size * model.hidden_size) / model.n_params \
         if model.has_shape and model.n_params else 0.0
     grads_last = grads_persist + int((grads_full - grads_persist) * max(done, 0.0))
-    for cand in ((a_blocks + recompute, grads_persist, t_inside + bwd_work + wcopy),
-                 (last_acts, grads_last, t_inside + bwd_work),
-                 (0, grads_full, t_end + bwd_end_extra)):
+    for cand in ((a_blocks + recompute, grads_persist + head_grad, t_inside + bwd_work + wcopy),
+                 (a_blocks, grads_persist + head_grad, t_reduce + wcopy),
+                 (last_acts, grads_last + head_grad, t_inside + bwd_work),
+                 (0, grads_full + head_grad + bwd_end_extra, t_end)):
         if cand[0] + cand[1] + cand[2] > acts_b + grads_b + temps_b:
             acts_b, grads_b, temps_b = cand
     backward = {"params": params, "grads": grads_b, "optimizer": opt, "activations": acts_b, "temporaries": temps_b}
@@ -372,15 +394,15 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                  "temporaries": persist_t},
         "forward": forward,
         "backward": backward,
-        "optimizer": {"params": params, "grads": grads_full + grads_step, "optimizer": opt, "activations": 0,
+        "optimizer": {"params": params_opt, "grads": grads_opt, "optimizer": opt, "activations": 0,
                       "temporaries": opt_t},
         "checkpoint": {"params": params, "grads": max(grads_persist, grads_rest), "optimizer": opt, "activations": 0,
                        "temporaries": ckpt_t},
     }
     states_sum = params + opt
     rest = max(grads_persist, grads_rest)
-    peak = states_sum + max(rest + persist_t, grads_persist + a_blocks + a_head + fwd_temps,
-                            grads_b + acts_b + temps_b, grads_full + grads_step + opt_t, rest + ckpt_t)
+    peak = states_sum + max(rest + persist_t, grads_persist + acts_f + fwd_temps,
+                            grads_b + acts_b + temps_b, grads_opt + opt_t + params_opt - params, rest + ckpt_t)
     if device == "cuda" and accounting == "real":
         hybrid = shard not in (1, world)
         overhead = {"cuda_context": ovh.cuda_context_bytes(),

@@ -99,20 +99,38 @@ def optimizer_state_bytes_per_param(optimizer: str, state_bytes: int, factored: 
 
 
 def zero3_persistent_params(model, threshold: int) -> int:
-    """Parameters ZeRO-3 never partitions (numel below stage3_param_persistence_threshold): norms, biases."""
-    if not model.has_shape or model.hidden_size >= threshold:
+    """Parameters ZeRO-3 keeps gathered on every rank: tensors with numel below
+    stage3_param_persistence_threshold (norms, biases, and every matrix of a small model)."""
+    if not model.has_shape:
         return 0
-    norms_per_block = 4 if model.family == "gemma2" else 2
-    return (norms_per_block * model.num_layers + 1) * model.hidden_size
+    mats = [i * o * n for _, i, o, n in block_linears(model)]
+    embed = model.vocab_size * model.hidden_size
+    router = model.hidden_size * model.num_experts
+    position = model.max_position * model.hidden_size if model.family in ("gpt2", "bert") else 0
+    big = [embed] * (1 if model.tie_embeddings else 2) + ([position] if position else [])
+    matrices = model.num_layers * (sum(mats) + router) + sum(big)
+    vectors = max(0, model.n_params - matrices)  # norms and biases: always below the threshold
+    small = model.num_layers * (sum(m for m in mats if m < threshold) + (router if router < threshold else 0))
+    small += sum(m for m in big if m < threshold)
+    return vectors + small
+
+
+def zero3_gathered_bounds(model, threshold: int) -> tuple[int, int]:
+    """(largest tensor ZeRO-3 gathers, all gatherable params): tensors at or above the threshold."""
+    mats = [i * o * n for _, i, o, n in block_linears(model)] + [model.hidden_size * model.num_experts]
+    embed = model.vocab_size * model.hidden_size
+    big = [m for m in mats + [embed] if m >= threshold]
+    return (max(big) if big else 0), max(0, model.n_params - zero3_persistent_params(model, threshold))
 
 
 class States:
     """Per-rank model-state bytes by where and when they live (plain attributes; built once per plan)."""
     __slots__ = ("params", "grads_persistent", "grads_full", "grads_step", "optimizer", "host", "nvme",
-                 "trained_per_rank", "state_bytes", "terms")
+                 "trained_per_rank", "state_bytes", "terms", "grads_optimizer", "params_optimizer")
 
     def __init__(self):
         self.params = self.grads_persistent = self.grads_full = self.grads_step = self.optimizer = 0
+        self.grads_optimizer = self.params_optimizer = None  # None: grads_full + grads_step / params
         self.host = {}
         self.nvme = 0
         self.trained_per_rank = 0
@@ -134,7 +152,7 @@ def model_states(kind: str, shard: int, world: int, precision: str, optimizer: s
         moments = optimizer_state_bytes_per_param(optimizer, 4, factored)
         part = trained / world
         # Source: DeepSpeed stage_1_and_2.py / stage3.py: fp32 master partition + optimizer moments.
-        master = 4 * part if not (kind == "zero3" and precision == "fp32") else 0
+        master = 4 * part  # a separate fp32 copy even when training in fp32
         opt = master + moments * part
         if kind == "zero3":
             params = lp * part + frozen_bytes / world + lp * persistent_params
@@ -144,7 +162,8 @@ def model_states(kind: str, shard: int, world: int, precision: str, optimizer: s
         else:
             params = lp * trained + frozen_bytes
             grads_persist = 0
-            grads_full = lp * trained if kind == "zero1" else lp * part
+            # DeepSpeed 0.19 reduces ZeRO-1 gradients during backward too (ipg buckets): partitions.
+            grads_full = lp * part
             step = 4 * part  # fp32 gradient partition, created in step()
         out.state_bytes = 4
         host, nvme = {}, 0
@@ -174,6 +193,12 @@ def model_states(kind: str, shard: int, world: int, precision: str, optimizer: s
                 host["offloaded_params"] = int(moved)
         out.params, out.grads_persistent, out.grads_full, out.grads_step, out.optimizer = \
             int(params), int(grads_persist), int(grads_full), int(step), int(opt)
+        if kind == "zero3":
+            # Persistent params are released for the step and gathered again after it.
+            out.params_optimizer = int(params - lp * persistent_params)
+        else:
+            # step() converts the 16-bit partition to fp32 and frees it before the update.
+            out.grads_optimizer = int(step)
         out.host, out.nvme = host, nvme
         out.trained_per_rank = int(part)
         if rec is not None:

@@ -2,7 +2,8 @@
 
 Order (the tie-break when two plans are about as fast): plain DDP, ZeRO-1, ZeRO-2 (shard optimizer
 state, then gradients), parameter sharding (ZeRO-3 / FSDP), hybrid sharding across nodes, and
-offload last. Activation checkpointing and micro-batch/accumulation are searched inside each family.
+offload last. At equal sharding, DeepSpeed comes first (the field's ZeRO naming), then FSDP2, then
+FSDP1 (deprecated in torch and transformers). Activation checkpointing and micro-batch/accumulation are searched inside each family.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def families(gpus_per_node: int, nodes: int, hidden_size: int) -> list[Family]:
         Family("ddp", Strategy(kind="ddp"), 0, 0),
         Family("zero1", Strategy(kind="zero1"), 1, 0),
         Family("zero2", Strategy(kind="zero2"), 2, 0),
-        Family("fsdp:shard_grad_op", Strategy(kind="fsdp", sharding="shard_grad_op"), 3, 0),
-        Family("fsdp2:no_reshard", Strategy(kind="fsdp2", reshard_after_forward=False), 4, 0),
+        Family("fsdp2:no_reshard", Strategy(kind="fsdp2", reshard_after_forward=False), 3, 0),
+        Family("fsdp:shard_grad_op", Strategy(kind="fsdp", sharding="shard_grad_op"), 4, 0),
         Family("zero3", Strategy(kind="zero3"), 5, 0),
         Family("fsdp2", Strategy(kind="fsdp2"), 6, 0),
         Family("fsdp:full_shard", Strategy(kind="fsdp", sharding="full_shard"), 7, 0),

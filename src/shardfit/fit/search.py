@@ -232,6 +232,15 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
                                         loss_scaling, request)
 
+    # Families the request rules out (e.g. DeepSpeed offload with 8-bit Adam, pure bf16 on DeepSpeed).
+    invalid: dict[str, str] = {}
+    for fam in all_families:
+        try:
+            validate_plan(make_for(fam, "none", "default")(micro_options[0]))
+        except ShardfitError as exc:
+            invalid[fam.label] = str(exc)
+    all_families = [f for f in all_families if f.label not in invalid]
+
     found: dict[str, list[Candidate]] = {}
     smallest: dict[str, tuple[int, Plan]] = {}
     searched_tiers: set[int] = set()
@@ -253,6 +262,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
                          "check with --host-memory-gib")
     alternatives = tuple(ranked[1:1 + request.top])
     rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
+    rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]
     suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling))
     return FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
                      alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),

@@ -79,7 +79,6 @@ class Profiler:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def __enter__(self):
-        import torch
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -89,8 +88,10 @@ class Profiler:
         self._accountant = Accountant(self._model_container(), self._optimizers, self.budget_bytes, self._device_type)
         self._accountant.on_backward = lambda: self._switch("backward")
         if self._device_type == "cuda":
-            self._cuda_begin(record_history=True)
+            self._cuda_begin()
         self.load = PhaseStats("load", 0)
+        self._cuda_stats = self.load
+        self._top_depth = 0
         self._accountant.install_resize_hook()
         self._accountant.__enter__()
         self._accountant.begin_phase("load", self.load)
@@ -101,8 +102,6 @@ class Profiler:
             self._attach_model(model)
         for optimizer in self._optimizers:
             self._attach_optimizer(optimizer)
-        self._top_depth = 0
-        del torch
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -112,6 +111,8 @@ class Profiler:
             self.record_oom(exc)
         self._accountant.end_phase()
         self._cuda_end_phase()
+        if self._device_type == "cuda":
+            torch.cuda.memory._record_memory_history(enabled=None)
         self._accountant.__exit__(None, None, None)
         self._accountant.remove_resize_hook()
         for handle in self._handles:
@@ -277,13 +278,12 @@ class Profiler:
         return torch.nn.ModuleList(self._models)
 
     # ---- CUDA -----------------------------------------------------------------------------------
-    def _cuda_begin(self, record_history: bool):
+    def _cuda_begin(self):
         import torch
 
         torch.cuda.reset_peak_memory_stats()
-        if record_history and self.snapshot_path:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-        self._cuda_stats = None
+        # The allocator history is what an OOM snapshot shows (stack traces of every block).
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
 
     def _cuda_end_phase(self):
         stats = getattr(self, "_cuda_stats", None)

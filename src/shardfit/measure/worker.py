@@ -6,8 +6,8 @@ ranks on rank 0 and append one JSON line (measured, estimated, errors) to the ou
 
 One launch loops over many configurations: process start and imports dominate a tiny model's run.
 Each configuration: {"plan": {...plan dict, model by preset name...}, "steps": 2, "checkpoint": false,
-"budget_bytes": null, "budget_between": null}. `budget_between: k` sets the budget halfway between
-the load and the forward peak that configuration k measured (a forced forward OOM).
+"budget_bytes": null, "budget_of": null}. `budget_of: [k, f]` sets the budget to f times the forward
+peak that configuration k measured (a forced OOM in forward when f < 1).
 """
 from __future__ import annotations
 
@@ -55,11 +55,10 @@ def run_one(config: dict, ctx, previous: list) -> dict:
     plan = load_plan(config["plan"])
     steps = int(config.get("steps", 2))
     budget = config.get("budget_bytes")
-    if config.get("budget_between") is not None:
-        ref = previous[config["budget_between"]]["measured"]
-        load = sum(v for k, v in ref["load"].items() if k != "host")
-        forward = sum(v for k, v in ref["forward"].items() if k != "host")
-        budget = int(load + 0.5 * (forward - load))
+    if config.get("budget_of") is not None:
+        index, fraction = config["budget_of"]
+        forward = previous[index]["measured"]["forward"]
+        budget = int(fraction * sum(v for k, v in forward.items() if k != "host"))
     started = time.perf_counter()
     prof = shardfit.profile(plan=plan, budget_bytes=budget, explain_oom=False, label=plan.strategy.label)
     engine = None
