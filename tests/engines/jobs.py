@@ -48,6 +48,9 @@ def matrix_jobs(root: str, reference_root: str) -> list[dict]:
         for precision, ac in (("fp32", "full"), ("bf16", "none"), ("bf16", "full")):
             jobs.append({"name": f"{engine}-{precision}-{ac}", "plan": plan(engine, precision, ac),
                          "out": f"{root}/{engine}-{precision}-{ac}", "count_recompute": precision == "fp32"})
+    # DCP -> DeepSpeed: ZeRO engines resume directly from the FSDP2 run's checkpoint (written above).
+    jobs += [{"name": f"{stage}-from-fsdp2", "plan": plan(stage), "out": f"{root}/{stage}-from-fsdp2",
+              "resume": f"{root}/fsdp2/checkpoints/step-2"} for stage in ("zero1", "zero2", "zero3")]
     # Breadth: accumulation, FSDP1 hybrid shard, FSDP2 HSDP (2,1) and CPU offload, LoRA, fp16.
     jobs += [
         {"name": "ddp-accum2", "plan": plan("ddp", grad_accum=2, steps=3), "out": f"{root}/ddp-accum2"},

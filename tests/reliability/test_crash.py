@@ -19,7 +19,10 @@ import launch
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
-TRAIN = ["-m", "shardfit", "train", "--model", "tiny-llama", "--strategy", "ddp", "--precision", "fp32",
+# NOTE: through `shardfit train` (torchrun --standalone, the c10d rendezvous): torchrun's static
+# rendezvous (--master-port) reuses one store across restarts, and a restarted gloo group can read
+# the dead ranks' stale addresses from it and hang in init_process_group.
+TRAIN = ["train", "--model", "tiny-llama", "--strategy", "ddp", "--precision", "fp32",
          "--micro-batch", "2", "--seq", "64", "--steps", "6", "--save-every", "2", "--keep", "3", "--log-every", "1",
          "--eval-every", "0", "--lr", "3e-3", "--no-progress"]
 
@@ -36,7 +39,7 @@ def losses(out) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("crash") / "reference"
-    launch.torchrun(TRAIN + ["--out", str(out)], timeout=240)
+    launch.shardfit(*TRAIN, "--out", str(out), timeout=240)
     return out
 
 
@@ -44,7 +47,7 @@ def reference(tmp_path_factory):
 def killed_twice(tmp_path_factory):
     out = tmp_path_factory.mktemp("crash") / "killed"
     env = launch.test_env(SHARDFIT_TEST_KILL_AT="save:4:rank:1:attempt:0,step:5:rank:1:attempt:1")
-    result = launch.torchrun(["--max-restarts=2"] + TRAIN + ["--out", str(out), "--resume", "auto"], env=env,
+    result = launch.shardfit(*TRAIN, "--max-restarts", "2", "--out", str(out), "--resume", "auto", env=env,
                              timeout=400)
     return out, result
 
@@ -130,8 +133,8 @@ def test_hung_rank_ends_within_timeout(tmp_path):
     timeout = 8
     env = launch.test_env(SHARDFIT_TEST_HANG_AT="step:3:rank:1")
     started = time.monotonic()
-    result = launch.torchrun(TRAIN + ["--out", str(tmp_path / "hang"), "--save-every", "0",
-                                      "--collective-timeout", str(timeout)], env=env, timeout=240, check=False)
+    result = launch.shardfit(*TRAIN, "--out", str(tmp_path / "hang"), "--save-every", "0",
+                             "--collective-timeout", str(timeout), env=env, timeout=240, check=False)
     wall = time.monotonic() - started
     log = result.stdout + result.stderr
     assert result.returncode != 0

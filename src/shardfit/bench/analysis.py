@@ -33,8 +33,9 @@ def comm_theory(plan) -> dict:
     t, kind = plan.training, plan.strategy.kind
     sixteen = _DTYPE_BYTES[t.precision]
     # Parameters travel in the compute dtype; gradients are reduced in fp32 by DDP (autocast keeps
-    # fp32 grads) and FSDP2 (reduce_dtype fp32), in 16-bit by FSDP1 MixedPrecision and DeepSpeed.
-    grad_bytes = 4 if t.precision == "fp32" or (kind in ("ddp", "fsdp2") and t.precision != "bf16-pure") else sixteen
+    # fp32 grads) and by FSDP1/FSDP2 (shardfit.engines sets reduce_dtype fp32), in 16-bit by DeepSpeed
+    # (its communication dtype follows the model's) and whenever the model itself is 16-bit.
+    grad_bytes = sixteen if (plan.strategy.is_deepspeed or t.precision == "bf16-pure") else 4
     persistent = _persistent_params(plan) if kind == "zero3" else 0
     root = plan.model.non_block_params if kind in ("fsdp", "fsdp2") else 0
     return theoretical_comm(plan.strategy, plan.model.n_params, grad_bytes=grad_bytes, param_bytes=sixteen,

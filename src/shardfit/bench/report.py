@@ -26,7 +26,7 @@ COLUMNS = (
     ("comm volume", "comm.volume_bytes", "bytes"),
     ("theory volume", "comm_theory.volume_bytes", "bytes"),
     ("loss@K", "loss.final", "loss"),
-    ("vs ddp", "correctness.rel_diff", "pct"),
+    ("vs reference", "correctness.rel_diff", "pct"),
     ("correct", "correctness.status", "text"),
     ("ckpt loaded exactly", "checkpoint.exact_at_load", "bool"),
     ("resume exact", "checkpoint.exact", "bool"),
@@ -229,7 +229,7 @@ img{{max-width:100%}}figure{{display:inline-block;margin:0 1em 1em 0}}pre{{font-
 {html.escape(str(report["environment"].get("device")))}</h1>
 <p>Per rank. Measured on step {report["settings"]["warmup"] - 1 if report["settings"]["warmup"] >= 2 else 0}
 (memory, collectives) and {report["settings"]["steps"]} timed steps after {report["settings"]["warmup"]} warm-up steps.
-MB = 10<sup>6</sup> bytes. Loss@K: mean over ranks after K steps; vs ddp: relative difference to the DDP reference.</p>
+MB = 10<sup>6</sup> bytes. Loss@K: mean over ranks after K steps; vs reference: relative difference to the DDP/fp32 reference.</p>
 <table id="summary"><tr>{head}</tr>{"".join(rows)}</table>
 <ul id="notes">{remarks}</ul>
 <h2>Charts</h2>{images}

@@ -1,6 +1,7 @@
 """`shardfit convert CHECKPOINT --out DIR`: a DeepSpeed ZeRO checkpoint becomes a DCP checkpoint
 (model + AdamW state + scheduler + data position + RNG), which DDP, FSDP and FSDP2 resume from on
-any world size: `shardfit train --strategy fsdp2 --resume DIR`."""
+any world size: `shardfit train --strategy fsdp2 --resume DIR`. The other way needs no command:
+`shardfit train --strategy zero3 --resume DCP_CHECKPOINT` loads the DCP state into ZeRO's partitions."""
 from __future__ import annotations
 
 
@@ -8,7 +9,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", help="a DeepSpeed checkpoint folder written by `shardfit train` (step-K)")
     parser.add_argument("--out", required=True, help="the DCP checkpoint folder to write")
     parser.add_argument("--to", default="dcp", choices=("dcp",),
-                        help="target format (dcp; DCP -> DeepSpeed is not implemented yet)")
+                        help="target format: dcp (the other way needs no conversion: zero1/2/3 resume from a "
+                             "DCP checkpoint directly)")
 
 
 def run(args) -> int:

@@ -94,6 +94,9 @@ def setup(plan, model, ctx) -> base.Engine:
         engine.save_checkpoint(str(Path(directory) / "deepspeed"), tag=TAG, save_latest=False)
 
     def load(directory: Path):
+        if (Path(directory) / "dcp").is_dir():  # a DDP / FSDP / FSDP2 checkpoint: switch engines mid-run
+            _load_from_dcp(engine, optimizer, Path(directory) / "dcp", stage, ctx)
+            return
         if stage == 3 and "nvme" in (s.offload_optimizer, s.offload_params):
             # NOTE: DeepSpeed writes empty swap folders for ZeRO-3 + NVMe: load_checkpoint would
             # silently restore nothing. Refuse rather than resume from garbage.
@@ -131,10 +134,16 @@ def setup(plan, model, ctx) -> base.Engine:
     def extra_state():
         return {}  # DeepSpeed's checkpoint holds the scheduler and the loss scaler
 
+    def load_extra_state(state):
+        if "scheduler" in state:  # only from a DCP checkpoint; DeepSpeed's own restores it itself
+            scheduler.load_state_dict(state["scheduler"])
+            for group in scheduler.optimizer.param_groups:
+                group["lr"] = group["initial_lr"] * schedule(scheduler.last_epoch)
+
     return base.Engine(kind=s.kind, plan=plan, ctx=ctx, model=engine, module=base.unwrap(engine.module),
                        optimizer=optimizer, scheduler=scheduler, forward_backward=forward_backward, step=step,
                        zero_grad=zero_grad, save=save, load=load, inference=inference, full_state=full_state,
-                       extra_state=extra_state)
+                       extra_state=extra_state, load_extra_state=load_extra_state)
 
 
 @contextmanager
@@ -148,3 +157,56 @@ def _gathered(module, stage: int):
 
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         yield
+
+
+def _load_from_dcp(engine, optimizer, path: Path, stage: int, ctx) -> None:
+    """Model and AdamW state from a DCP checkpoint (any engine, any world size) into ZeRO's
+    partitions: every rank reads the full tensors and keeps its own fragment."""
+    import deepspeed
+    import torch.distributed.checkpoint as dcp
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    named = dict(base.unwrap(engine.module).named_parameters())
+    keys = [k for name in named for k in (f"model.{name}", f"optim.state.{name}.exp_avg",
+                                          f"optim.state.{name}.exp_avg_sq", f"optim.state.{name}.step")]
+    missing = [k for k in keys if k not in metadata]
+    if missing:
+        raise ShardfitError(f"DCP checkpoint {path} lacks {missing[0]}: it was written for another model or optimizer")
+    state = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys
+             if isinstance(metadata[k], TensorStorageMetadata)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    # NOTE: AdamW creates its state on the first step, and ZeRO links each parameter to its state
+    # fragments only then; before it the setters fail. Create zero state of AdamW's own layout and
+    # link it, then overwrite it.
+    inner = optimizer.optimizer
+    flats = [p for group in inner.param_groups for p in group["params"]]
+    flats += list(getattr(optimizer, "fp32_partitioned_groups_flat", []))  # ZeRO-3 keys its state by these
+    for flat in flats:
+        inner.state[flat] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(flat),
+                             "exp_avg_sq": torch.zeros_like(flat)}
+    if hasattr(optimizer, "_lazy_init_hp_params_optimizer_state"):
+        optimizer._lazy_init_hp_params_optimizer_state()
+    steps = None
+    for name, param in named.items():
+        if not param.requires_grad:
+            continue
+        weights = state[f"model.{name}"]
+        # The fp32 master fragment, then the moments, then the low-precision copy the forward uses.
+        safe_set_full_fp32_param(param, weights.to(engine.device))
+        for key in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(param, state[f"optim.state.{name}.{key}"].to(engine.device), key)
+        steps = state.get(f"optim.state.{name}.step", steps)
+        if stage == 3:
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if ctx.rank == 0:
+                    param.data.copy_(weights.to(param.dtype))
+        else:
+            param.data.copy_(weights.to(param.dtype))
+    if steps is not None:
+        # torch AdamW keeps the step count per tensor: ZeRO's flat fragments take the same count.
+        for group_state in optimizer.optimizer.state.values():
+            if "step" in group_state:
+                group_state["step"] = torch.as_tensor(steps, dtype=group_state["step"].dtype if torch.is_tensor(
+                    group_state["step"]) else torch.float32).clone()

@@ -156,7 +156,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     host: dict[str, int] = {}
     nvme = 0
     persist_t = fwd_t = bwd_t = opt_t = ckpt_t = bwd_end_extra = grads_rest = 0
-    fwd_loss_t = fwd_block_t = t_start = t_inside = t_reduce = t_end = None  # None: fwd_t / bwd_t
+    fwd_loss_t = fwd_block_t = t_start = t_inside = t_reduce = t_end = t_last = None  # None: fwd_t / bwd_t
+    grads_early = None  # grads once backward reaches the blocks, where an engine allocates them at once
     head_grad = 0
     grads_opt = params_opt = None  # the optimizer phase's own figures, where an engine differs
     grads_persist = grads_full = grads_step = 0
@@ -255,6 +256,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             # Inside a block: two units and the activation grads; once its backward is done, the
             # unit's full grad and the reduce-scatter buffers (the activation grads are gone by then).
             t_inside = root_b + units_b
+            t_last = root_b + one_unit  # nothing left to prefetch at the last block
             t_reduce = root_b + units_b + grad_b + rs_b
             # The head's grad is a .grad of the root's (unsharded) params from the start of backward;
             # the root reshards before its reduce-scatter: its full grad + the reduce buffers remain.
@@ -322,6 +324,10 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                 bucket = tmp.zero12_ipg_bucket_bytes(s.reduce_bucket_size, lp, s.overlap_comm)
                 bwd_t = bucket
                 opt_t = 0
+                # The buckets and the flat grad partition appear at the first gradient hook, i.e.
+                # after the loss's backward, and the partition is allocated whole.
+                t_start = persist_t
+                grads_early = st.grads_full
                 if not s.offload_optimizer:
                     # One flat fp32 partition is the optimizer's only "parameter".
                     opt_t += tmp.optimizer_step_temp_bytes(optimizer, impl, int(part), 4, int(part))
@@ -366,7 +372,11 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     if fwd_loss_t is None:
         fwd_loss_t = fwd_block_t = fwd_t
     if t_start is None:
-        t_start = t_inside = t_reduce = t_end = bwd_t
+        t_start = bwd_t
+    if t_inside is None:
+        t_inside = t_reduce = t_end = bwd_t
+    if t_last is None:
+        t_last = t_inside
     # Forward peaks at the loss (every activation + the logits) or inside the last block (its
     # gathered units / eager scores, without the head's activations), whichever is larger.
     acts_f, fwd_temps = a_blocks + a_head, fwd_loss_t + loss_fwd + wcopy_fwd
@@ -382,9 +392,12 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     done = 1.0 - (model.block_params + model.vocab_size * model.hidden_size) / model.n_params \
         if model.has_shape and model.n_params else 0.0
     grads_last = grads_persist + int((grads_full - grads_persist) * max(done, 0.0))
-    for cand in ((a_blocks + recompute, grads_persist + head_grad, t_inside + bwd_work + wcopy),
-                 (a_blocks, grads_persist + head_grad, t_reduce + wcopy),
-                 (last_acts, grads_last + head_grad, t_inside + bwd_work),
+    grads_first = grads_persist
+    if grads_early is not None:
+        grads_first = grads_last = grads_early
+    for cand in ((a_blocks + recompute, grads_first + head_grad, t_inside + bwd_work + wcopy),
+                 (a_blocks, grads_first + head_grad, t_reduce + wcopy),
+                 (last_acts, grads_last + head_grad, t_last + bwd_work),
                  (0, grads_full + head_grad + bwd_end_extra, t_end)):
         if cand[0] + cand[1] + cand[2] > acts_b + grads_b + temps_b:
             acts_b, grads_b, temps_b = cand

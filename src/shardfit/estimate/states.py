@@ -194,8 +194,10 @@ def model_states(kind: str, shard: int, world: int, precision: str, optimizer: s
         out.params, out.grads_persistent, out.grads_full, out.grads_step, out.optimizer = \
             int(params), int(grads_persist), int(grads_full), int(step), int(opt)
         if kind == "zero3":
-            # Persistent params are released for the step and gathered again after it.
-            out.params_optimizer = int(params - lp * persistent_params)
+            # Measured (DeepSpeed 0.19, CPU): without parameter offload the persistent params'
+            # gathered copies are not resident during step(); with it they stay.
+            if not offload_params:
+                out.params_optimizer = int(params - lp * persistent_params)
         else:
             # step() converts the 16-bit partition to fp32 and frees it before the update.
             out.grads_optimizer = int(step)

@@ -38,8 +38,8 @@ def off_terms(comparison: dict) -> list[tuple[str, str, int, int]]:
 def markdown(results: list[dict]) -> str:
     groups = defaultdict(list)
     for result in results:
-        if not result.get("comparison"):
-            continue
+        if not result.get("comparison") or result.get("error"):
+            continue  # an OOM'd step is not a whole step
         for phase, category, m, p in off_terms(result["comparison"]):
             strategy = result["label"].split("/")[1] if "/" in result["label"] else result["label"]
             groups[(strategy, phase, category)].append((result["label"], m, p))

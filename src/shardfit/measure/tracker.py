@@ -12,8 +12,12 @@ Private torch APIs relied on (pinned by tests/measure/test_torch_private_api.py)
 """
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,8 +38,13 @@ def _zero():
     return dict.fromkeys(ALL_CATEGORIES, 0)
 
 
+# SHARDFIT_PROFILE_DEBUG=BYTES: remember where each storage of at least BYTES was allocated, and
+# print the storages live at each phase's peak (what the calibration notes were written from).
+_DEBUG_BYTES = int(float(os.environ.get("SHARDFIT_PROFILE_DEBUG", "0") or 0))
+
+
 class _Record:
-    __slots__ = ("nbytes", "category", "t_alloc", "t_free", "alive", "__weakref__")
+    __slots__ = ("nbytes", "category", "t_alloc", "t_free", "alive", "where", "__weakref__")
 
     def __init__(self, nbytes: int, category: str, t_alloc: int):
         self.nbytes = nbytes
@@ -43,6 +52,13 @@ class _Record:
         self.t_alloc = t_alloc
         self.t_free: int | None = None
         self.alive = True
+        self.where = _allocation_site() if _DEBUG_BYTES and nbytes >= _DEBUG_BYTES else None
+
+
+def _allocation_site() -> str:
+    frames = [f for f in traceback.extract_stack(limit=60)[:-3] if "shardfit/measure" not in f.filename
+              and "site-packages/torch/" not in f.filename]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
 
 
 @dataclass
@@ -236,6 +252,14 @@ class Accountant(TorchDispatchMode):
                 out[record.category] += record.nbytes
         return out
 
+    def _debug_peak(self, name: str):
+        t = self._peak_t
+        rows = [r for r in list(self._records.values()) + self._dead
+                if r.nbytes >= _DEBUG_BYTES and r.t_alloc <= t and (r.alive or (r.t_free or 0) > t)]
+        print(f"[shardfit debug] rank {os.environ.get('RANK', '0')} {name} peak {self._peak_total} B:", file=sys.stderr)
+        for r in sorted(rows, key=lambda r: -r.nbytes):
+            print(f"  {r.nbytes:>10} {r.category:<12} {r.where or '(before tracking or resized)'}", file=sys.stderr)
+
     def live_breakdown(self) -> dict:
         return dict(self._live_by_cat)
 
@@ -268,6 +292,8 @@ class Accountant(TorchDispatchMode):
             for record in self._dead:
                 if record.category == "activations":
                     record.category = "temporaries"
+        if _DEBUG_BYTES:
+            self._debug_peak(stats.name)
         if self._peak_total >= stats.peak_total:
             stats.peak = self.breakdown_at(self._peak_t)
             stats.peak_total = device_total(stats.peak)

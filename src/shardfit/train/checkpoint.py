@@ -125,11 +125,11 @@ def load_checkpoint(engine, path: Path) -> tuple[int, Position]:
     """Restore everything save_checkpoint wrote; returns (step, data position)."""
     ctx = engine.ctx
     manifest = read_manifest(path)
-    expected = "deepspeed" if engine.kind.startswith("zero") else "dcp"
-    if manifest["format"] != expected:
-        raise ShardfitError(f"checkpoint {path} was written by {manifest['engine']} ({manifest['format']}); "
-                            f"{engine.kind} reads {expected}: convert it with `shardfit convert`")
-    if engine.kind.startswith("zero") and manifest["world_size"] != ctx.world_size:
+    # DeepSpeed engines also read DCP (switching engines mid-run); the others read only DCP.
+    if manifest["format"] == "deepspeed" and not engine.kind.startswith("zero"):
+        raise ShardfitError(f"checkpoint {path} was written by DeepSpeed ({manifest['engine']}); {engine.kind} reads "
+                            "DCP: convert it with `shardfit convert` first")
+    if manifest["format"] == "deepspeed" and manifest["world_size"] != ctx.world_size:
         raise ShardfitError(f"DeepSpeed checkpoint {path} was written by {manifest['world_size']} ranks: resume on "
                             f"{manifest['world_size']}, or convert it to DCP (`shardfit convert`) to change the world size")
     engine.load(path)

@@ -134,9 +134,31 @@ class Watchdog:
             os._exit(EXIT_HANG)
 
 
+def process_group_kwargs() -> dict:
+    """Extra init_process_group arguments: the collective timeout, and under torchrun's agent a store
+    prefix per restart attempt. NOTE: the agent's store outlives the workers; without a prefix a
+    restarted gloo group reads the dead ranks' addresses from the last attempt and fails (or hangs)
+    connecting to them, which turns every torchrun restart into a coin toss."""
+    kwargs = {}
+    timeout = init_timeout()
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+        import datetime
+
+        import torch.distributed as dist
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout or datetime.timedelta(minutes=30))
+        kwargs.update(store=dist.PrefixStore(f"shardfit/attempt-{attempt}", store), rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))
+    return kwargs
+
+
 def init_timeout():
     """The timedelta for init_process_group(timeout=...), or None for torch's default."""
     import datetime
 
     timeout = configured_timeout()
-    return datetime.timedelta(seconds=max(timeout, 60.0)) if timeout else None
+    return datetime.timedelta(seconds=max(1.5 * timeout, 60.0)) if timeout else None
