@@ -3,7 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# DeepSpeed compiles its CPU ops once; a stable cache dir keeps later runs fast.
+# Debian's chromium for the bench HTML report test (skipped there when it can't be installed).
+bash scripts/ci-deps.sh || echo "test.sh: chromium not installed; the HTML report test will skip" >&2
+# DeepSpeed compiles its CPU ops on first use (minutes). Build them once, before the tests, into a
+# stable cache so no test pays for it inside its timeout.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/shardfit/torch_extensions}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+.venv/bin/python - <<'PY'
+import time
+from deepspeed.accelerator import get_accelerator
+start = time.time()
+for name in ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"):
+    get_accelerator().create_op_builder(name).load(verbose=False)
+print(f"test.sh: DeepSpeed CPU ops ready ({time.time() - start:.0f} s)")
+PY
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
