@@ -19,7 +19,7 @@ def plan(engine: str, precision: str = "fp32", ac: str = "none", steps: int = ST
 
 
 def lora_plan(engine: str) -> dict:
-    data = plan(engine, ac="full")  # LoRA with activation checkpointing: the usual fine-tuning setup
+    data = plan(engine, ac="full", save_every=STEPS)  # LoRA with activation checkpointing: the usual setup
     data["training"]["lora"] = {"rank": 4, "base_dtype": "fp32"}
     return data
 
@@ -60,8 +60,8 @@ def matrix_jobs(root: str, reference_root: str) -> list[dict]:
          "out": f"{root}/fsdp-hybrid"},
         {"name": "fsdp2-hsdp", "plan": plan("fsdp2", shard_group_size=1), "out": f"{root}/fsdp2-hsdp"},
         {"name": "fsdp2-offload", "plan": plan("fsdp2", offload_params="cpu"), "out": f"{root}/fsdp2-offload"},
-        *[{"name": f"{engine}-lora", "plan": lora_plan(engine), "out": f"{root}/{engine}-lora"}
-          for engine in ("ddp", "fsdp", "fsdp2", "zero3")],
+        *[{"name": f"{engine}-lora", "plan": lora_plan(engine), "out": f"{root}/{engine}-lora",
+           "export": f"{root}/{engine}-lora-hf", "logits": True} for engine in ("ddp", "fsdp", "fsdp2", "zero3")],
         {"name": "ddp-fp16", "plan": plan("ddp", "fp16"), "out": f"{root}/ddp-fp16"},
         {"name": "zero2-offload", "plan": plan("zero2", offload_optimizer="cpu"), "out": f"{root}/zero2-offload"},
         {"name": "zero3-offload", "plan": plan("zero3", offload_optimizer="cpu", offload_params="cpu", save_every=2),

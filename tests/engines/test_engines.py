@@ -217,3 +217,23 @@ def test_deepspeed_resumes_from_a_dcp_checkpoint(runs, stage):
     resumed = _ok(runs, f"{stage}-from-fsdp2")
     assert resumed["steps"] == list(range(3, STEPS + 1))
     assert resumed["losses"] == pytest.approx(full[2:], rel=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "fsdp2", "zero3"])
+def test_lora_export_merges_adapters(runs, engine, tmp_path):
+    """The exported folder is a plain model (adapters folded in) with the peft model's logits, from
+    the live engine and from the checkpoint alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardfit.train.export import export_checkpoint
+    from worker import PROBE
+
+    result = _ok(runs, f"{engine}-lora")
+    export_checkpoint(runs["root"] / f"{engine}-lora" / "checkpoints" / f"step-{STEPS}", tmp_path)
+    for folder in (runs["root"] / f"{engine}-lora-hf", tmp_path):
+        model = AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+        assert not any("lora" in name for name, _ in model.named_parameters())
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(PROBE)).logits.float()[0, -3:, :8]
+        assert torch.allclose(logits, torch.tensor(result["logits"]), atol=1e-5), folder

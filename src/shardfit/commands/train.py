@@ -53,6 +53,13 @@ def run(args) -> int:
         build_plan(args)  # fail fast, in this process, on a bad plan or flag
         return relaunch(_worker_argv(sys.argv[1:]), args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
 
+    import os
+    import warnings
+
+    if not os.environ.get("SHARDFIT_DEBUG"):
+        # Library deprecation notices (torch collectives called by DeepSpeed, transformers renames)
+        # repeat on every rank and say nothing a user of `shardfit train` can act on.
+        warnings.filterwarnings("ignore", category=FutureWarning)
     from shardfit.train.loop import DEFAULT_PROMPT, RunOptions, train
 
     plan = build_plan(args)

@@ -29,7 +29,7 @@ from shardfit.estimate.states import block_linears as _linears
 
 class Profile:
     """Per-token activation coefficients for one (model, regime, attention, LoRA) combination."""
-    __slots__ = ("block", "block_quad", "block_items", "head", "head_items", "ckpt_input", "logits_live",
+    __slots__ = ("block", "block_quad", "block_items", "head", "head_items", "ckpt_input",
                  "loss_fwd_temp", "loss_bwd_temp", "bwd_work", "bwd_work_quad", "attn_fwd_temp_quad",
                  "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "block_const", "head_const",
                  "first_block_discount")
@@ -222,7 +222,6 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     p.block, p.block_quad, p.block_items = block, block_quad, block_items
     p.head, p.head_items = head, tuple(head_items)
     p.ckpt_input = res * h
-    p.logits_live = d * vocab
     # `loss = model(**batch).loss` (HF Trainer, shardfit train) drops the output: the logits live only
     # while the loss is computed, next to their fp32 upcast when they are 16-bit.
     p.loss_fwd_temp = d * vocab + (4 * vocab if d != 4 else 0)

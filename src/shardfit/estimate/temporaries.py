@@ -59,11 +59,6 @@ def zero_offload_grad_buffer_bytes(largest_param: int, lp: int) -> int:
     return int(largest_param * lp)
 
 
-def zero_step_flatten_bytes(partition: int, lp: int) -> int:
-    # Source: stage_1_and_2.py step(): flatten of the 16-bit gradient partition before the fp32 cast.
-    return int(partition * lp)
-
-
 def loss_forward_bytes(tokens: int, per_token: float) -> int:
     # Source: transformers ForCausalLMLoss: logits.float() copy for cross-entropy (16-bit logits only).
     return int(tokens * per_token)

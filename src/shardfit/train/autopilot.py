@@ -140,6 +140,13 @@ def decision_files(out_dir) -> list[Path]:
     return sorted(found, key=lambda p: int(p.stem[9:]))
 
 
+def forget(out_dir) -> None:
+    """A fresh run (no resume) in an old folder: earlier decisions don't apply to it."""
+    import shutil
+
+    shutil.rmtree(Path(out_dir) / FOLDER, ignore_errors=True)
+
+
 def apply_recorded(plan, out_dir) -> tuple[object, list[dict]]:
     """The plan with every recorded decision applied, in order (what a restart or resume trains)."""
     records = []
@@ -219,12 +226,12 @@ def release_memory(engine=None) -> None:
         torch.cuda.empty_cache()
 
 
-def handle_oom(plan, out_dir, exc, rank: int, device=None, step: int | None = None) -> int:
-    """Decide, record, log; returns the exit code the worker should leave with."""
+def handle_oom(plan, out_dir, exc, rank: int, index: int, device=None, step: int | None = None) -> int:
+    """Decide, record, log; returns the exit code the worker should leave with. `index` is the number
+    of decisions this attempt started with: ranks that run out together write the same decision once."""
     release_memory(getattr(exc, "engine", None))
-    index = len(decision_files(out_dir))
     budget, est_device = device_budget(device)
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    first = str(exc).strip().strip("'\"").splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = f" at step {step}" if step else ""
     try:
         decision, new_plan = choose(plan, budget, est_device, reasons=f"rank {rank} ran out of memory{where}: ")

@@ -80,11 +80,11 @@ def export_engine(engine, out: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> 
     """From a live engine (all ranks call this)."""
     import torch.distributed as dist
 
-    if engine.plan.training.lora is not None:
-        raise ShardfitError("export of a LoRA run is not supported yet: the checkpoint holds the adapters; "
-                            "merge them with peft's merge_and_unload")
     config = engine.module.config.to_dict()
-    write_hf_dir(engine.full_state(), config, out, write=engine.ctx.is_main, max_shard_bytes=max_shard_bytes)
+    items = engine.full_state()
+    if engine.plan.training.lora is not None:
+        items = merge_lora(items, engine.plan.training.lora)
+    write_hf_dir(items, config, out, write=engine.ctx.is_main, max_shard_bytes=max_shard_bytes)
     dist.barrier()
 
 
@@ -94,8 +94,6 @@ def export_checkpoint(checkpoint: Path, out: Path, max_shard_bytes: int = MAX_SH
 
     checkpoint = Path(checkpoint)
     manifest = read_manifest(checkpoint)
-    if manifest.get("lora"):
-        raise ShardfitError("export of a LoRA run is not supported yet: the checkpoint holds the adapters")
     config_file = checkpoint / "config.json"
     if not config_file.is_file():
         raise ShardfitError(f"{checkpoint} has no config.json: it was not written by `shardfit train`")
@@ -104,7 +102,45 @@ def export_checkpoint(checkpoint: Path, out: Path, max_shard_bytes: int = MAX_SH
         items = dcp_model_tensors(checkpoint / "dcp")
     else:
         items = deepspeed_model_tensors(checkpoint / "deepspeed")
+    if manifest.get("lora"):
+        import yaml
+
+        from shardfit.spec.models import load_model_spec
+        from shardfit.spec.plan import plan_from_dict
+
+        plan = plan_from_dict(yaml.safe_load((checkpoint / "plan.yaml").read_text()), resolve_model=load_model_spec)
+        items = merge_lora(items, plan.training.lora)
     return write_hf_dir(items, config, out, max_shard_bytes=max_shard_bytes)
+
+
+_PEFT_PREFIX = "base_model.model."
+_LORA_PARTS = (".base_layer.", ".lora_A.", ".lora_B.")
+
+
+def merge_lora(items: Iterable, lora):
+    """Fold peft LoRA adapters into plain weights (W + alpha/r * B @ A) as the tensors stream by, so
+    the export is an ordinary model. Names lose peft's prefixes; non-main ranks pass None through."""
+    scale = lora.alpha / lora.rank
+    pending: dict[str, dict] = {}
+    for name, tensor in items:
+        name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+        part = next((p for p in _LORA_PARTS if p in name), None)
+        if tensor is None or part is None:
+            yield name, tensor
+            continue
+        module, _, rest = name.partition(part)
+        if part == ".base_layer." and rest != "weight":
+            yield f"{module}.{rest}", tensor  # the base layer's bias is unchanged
+            continue
+        entry = pending.setdefault(module, {})
+        entry[part] = tensor
+        if len(entry) == 3:
+            del pending[module]
+            base = entry[".base_layer."]
+            delta = entry[".lora_B."].float() @ entry[".lora_A."].float()
+            yield f"{module}.weight", (base.float() + scale * delta).to(base.dtype)
+    if pending:
+        raise ShardfitError(f"LoRA export: incomplete adapter for {next(iter(pending))} (base weight, lora_A and lora_B needed)")
 
 
 def dcp_model_tensors(path: Path, prefix: str = "model."):

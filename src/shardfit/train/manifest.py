@@ -17,6 +17,10 @@ from shardfit.errors import ShardfitError
 
 MANIFEST = "manifest.json"
 _CHUNK = 8 << 20
+# Folders this process verified, keyed by the manifest's identity: resume checks a checkpoint while
+# choosing it (latest-valid) and again while loading it; the second pass would hash everything twice.
+# Every rank takes the same decisions in the same order, so the collective calls stay matched.
+_VERIFIED: set = set()
 
 
 class CorruptCheckpoint(ShardfitError):
@@ -118,6 +122,9 @@ def problems(folder: Path, manifest: dict | None = None) -> list[str]:
     table = manifest.get("files")
     if not isinstance(table, dict):
         return [f"{folder / MANIFEST} has no file checksums (written by an older shardfit?): it can't be verified"]
+    key = _identity(folder)
+    if key in _VERIFIED:
+        return []
     names = sorted(table)
     local = [p for name in _share(names, dist) if (p := _problem(folder, name, table[name] or {}))]
     found = [p for part in _gather(local, dist) for p in part]
@@ -125,7 +132,17 @@ def problems(folder: Path, manifest: dict | None = None) -> list[str]:
     # NOTE: a stray extra file is harmless to the loaders we use, but it means someone wrote into a
     # finished checkpoint; report it so a mixed-up folder is not trusted silently.
     found += [f"checkpoint file {folder / name} is not in the manifest" for name in extra if not name.endswith(".tmp")]
+    if not found and key is not None:
+        _VERIFIED.add(key)
     return found
+
+
+def _identity(folder: Path):
+    try:
+        stat = (Path(folder) / MANIFEST).stat()
+    except OSError:
+        return None
+    return (str(Path(folder).resolve()), stat.st_mtime_ns, stat.st_size, stat.st_ino)
 
 
 def verify(folder: Path, manifest: dict | None = None) -> dict:

@@ -1,0 +1,145 @@
+"""What each engine holds besides its model states, at each moment of a step where memory can peak.
+
+The moments: at rest (between steps), inside a block's forward, at the loss, at the start of
+backward, inside the first block backward reaches, when a block's gradient is reduced, inside the
+last block, at the end of backward, during the optimizer step and during a checkpoint save. The
+byte counts come from temporaries.py; this module only says which buffers coexist when, per engine
+(measured on CPU against real 2-rank runs, tests/measure/test_engine_matrix.py).
+"""
+from __future__ import annotations
+
+from shardfit.estimate import states as sts
+from shardfit.estimate import temporaries as tmp
+
+
+class Buffers:
+    """Temporaries (bytes per rank) at each moment, plus the grads some engines hold apart."""
+    __slots__ = ("rest", "fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end", "opt", "ckpt",
+                 "head_grad", "end_grads", "grads_rest", "grads_early")
+
+    def __init__(self, rest: int = 0, during: int | None = None):
+        during = rest if during is None else during
+        self.rest = self.ckpt = rest
+        self.fwd_block = self.fwd_loss = self.start = self.inside = self.reduce = self.last = self.end = during
+        self.opt = rest
+        self.head_grad = self.end_grads = self.grads_rest = 0
+        self.grads_early = None  # grads once backward reaches the blocks, when allocated all at once
+
+
+def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
+                 checkpoint, rec) -> Buffers:
+    """FSDP1 / FSDP2 with the blocks wrapped and the root holding embeddings, final norm and head."""
+    reshard = (s.sharding != "shard_grad_op") if kind == "fsdp" else s.reshard_after_forward
+    root_b = tmp.root_unit_bytes(root, gather_bytes)
+    if kind == "fsdp" and s.sharding == "no_shard" and precision == "fp32":
+        units_b = 0  # no gather, no low-precision copy: the full fp32 params are used in place
+    elif reshard:
+        units_b = tmp.gathered_unit_bytes(unit, gather_bytes, 2)
+    else:
+        units_b = tmp.all_units_gathered_bytes(model.n_params - root, gather_bytes)
+    one_unit = tmp.gathered_unit_bytes(unit, gather_bytes, 1) if units_b else 0
+    kept = 0 if reshard else units_b  # every unit stays gathered from forward to backward
+    grad_b = tmp.unsharded_grad_bytes(unit, gather_bytes)
+    # The head's unsharded grad is a .grad of the root's params from the start of backward; the
+    # embedding's appears only at the end.
+    embed = 0 if model.tie_embeddings or not root else min(root, model.vocab_size * model.hidden_size)
+    end_extra = tmp.unsharded_grad_bytes(embed, gather_bytes)
+    head_grad = tmp.unsharded_grad_bytes(root, gather_bytes) - end_extra
+    # shardfit's engines reduce in fp32 under MixedPrecision (reduce_dtype=float32).
+    reduce_b = 4 if precision in ("bf16", "fp16", "fp32") else 2
+    rs_b = tmp.reduce_scatter_bytes(unit, shard, reduce_b, kind == "fsdp2" or reduce_b != gather_bytes)
+    b = Buffers()
+    b.fwd_block = root_b + units_b
+    b.fwd_loss = root_b + (kept or (one_unit if kind == "fsdp2" else 0))  # FSDP2 still holds one unit
+    b.start = root_b + (kept or one_unit)  # the last block's unit is prefetched
+    b.inside = root_b + units_b  # current + prefetched unit (+ the activation grads, added later)
+    b.reduce = root_b + units_b + grad_b + rs_b  # the block's full grad and the reduce-scatter buffers
+    b.last = root_b + one_unit  # nothing left to prefetch
+    b.end = tmp.reduce_scatter_bytes(root, shard, reduce_b, True)  # the root reshards, then reduces
+    b.head_grad, b.end_grads = head_grad, end_extra
+    if kind == "fsdp" and not s.offload_params:
+        b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
+    # The optimizer's largest tensor: FSDP2 shards every param; FSDP1 (use_orig_params) hands it views
+    # of the flat shard, where a whole param can sit on one rank.
+    biggest = largest // shard + 1 if kind == "fsdp2" else min(largest, max(unit, root) // shard + 1)
+    b.opt = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, biggest)
+    b.ckpt = tmp.checkpoint_save_bytes(checkpoint, max(unit, root), st.state_bytes)
+    if rec is not None:
+        rec("temporaries.fsdp_root_unit", root_b, "non_block_params*gather_bytes",
+            {"non_block_params": root, "gather_bytes": gather_bytes},
+            "FSDP keeps the root (embeddings, head) gathered from forward to backward")
+        rec("temporaries.fsdp_gathered_units", units_b, "2*unit*gather_bytes" if reshard else "(P - root)*gather_bytes",
+            {"unit": unit, "gather_bytes": gather_bytes, "reshard_after_forward": reshard},
+            "FSDP all-gather of the current unit plus the prefetched one")
+        rec("temporaries.fsdp_unsharded_grads", grad_b + head_grad + end_extra,
+            "(unit + root)*gather_bytes (the embedding's part only at the end of backward)",
+            {"unit": unit, "root": root, "embedding": embed}, "FSDP backward: full grads before reduce-scatter")
+        rec("temporaries.fsdp_reduce_scatter", rs_b, "unit*reduce_bytes (copy-in) + unit/S*reduce_bytes",
+            {"unit": unit, "S": shard, "reduce_bytes": reduce_b}, "FSDP reduce-scatter input and output")
+    return b
+
+
+def ddp_buffers(s, model, st, impl, optimizer, largest, rec) -> Buffers:
+    # Source: torch DDP Reducer: flat buckets covering every gradient, allocated at wrap time.
+    view = s.ddp_gradient_as_bucket_view
+    bucket = tmp.ddp_bucket_bytes(st.grads_full, bucket_view=view)
+    b = Buffers(bucket)
+    b.opt = bucket + tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, largest)
+    if rec is not None:
+        rec("temporaries.ddp_buckets", bucket, "grad bytes (0 with gradient_as_bucket_view)",
+            {"gradient_as_bucket_view": view, "bucket_cap_mb": s.ddp_bucket_cap_mb},
+            "torch DDP Reducer: flat buckets covering every gradient, allocated at wrap time")
+    return b
+
+
+def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec) -> Buffers:
+    bucket = tmp.zero3_ipg_bucket_bytes(s.reduce_bucket_size, lp)
+    # Persistent params are never gathered: only the others are fetched module by module.
+    if model.has_shape:
+        largest_np, gatherable = sts.zero3_gathered_bounds(model, s.param_persistence_threshold)
+    else:
+        largest_np, gatherable = largest, model.n_params
+    live = min(tmp.zero3_live_param_bytes(largest_np, s.prefetch_bucket_size, s.max_live_parameters, lp),
+               gatherable * lp)
+    mod_grad = tmp.zero3_module_grad_bytes(largest_np, lp)
+    b = Buffers(bucket, bucket + live + mod_grad)
+    b.fwd_block = b.fwd_loss = bucket + live
+    b.opt = bucket
+    if not s.offload_optimizer:
+        sub = min(int(trained / world), sts.ZERO3_SUB_GROUP_SIZE)
+        b.opt += tmp.optimizer_step_temp_bytes(optimizer, impl, sub, 4, sub)
+    if rec is not None:
+        rec("temporaries.zero3_ipg_bucket", bucket, "reduce_bucket_size*lp",
+            {"reduce_bucket_size": s.reduce_bucket_size, "lp": lp}, "deepspeed stage3.py __init__")
+        rec("temporaries.zero3_live_params", live, "min(largest + prefetch_bucket, max_live)*lp",
+            {"largest": largest_np, "prefetch_bucket_size": s.prefetch_bucket_size,
+             "max_live_parameters": s.max_live_parameters, "lp": lp}, "deepspeed PartitionedParameterCoordinator")
+        rec("temporaries.zero3_module_grad", mod_grad, "largest*lp", {"largest": largest_np},
+            "full 16-bit grad of the gathered module")
+    return b
+
+
+def zero12_buffers(s, st, trained, world, lp, largest, impl, optimizer, host, rec) -> Buffers:
+    bucket = tmp.zero12_ipg_bucket_bytes(s.reduce_bucket_size, lp, s.overlap_comm)
+    gbuf = 0
+    if s.offload_optimizer:
+        gbuf = tmp.zero_offload_grad_buffer_bytes(largest, lp)
+        host["offload_grad_buffer_pinned"] = int(largest * 4)
+    b = Buffers(gbuf, gbuf + bucket)
+    b.fwd_block = b.fwd_loss = gbuf
+    # The buckets appear at the first gradient hook (after the loss's backward); the flat grad
+    # partition at the first bucket reduction, allocated whole.
+    b.start = gbuf
+    b.grads_early = st.grads_full
+    b.opt = gbuf
+    if not s.offload_optimizer:
+        part = int(trained / world)  # one flat fp32 partition is the optimizer's only "parameter"
+        b.opt += tmp.optimizer_step_temp_bytes(optimizer, impl, part, 4, part)
+    if rec is not None:
+        if gbuf:
+            rec("temporaries.zero_offload_grad_buffer", gbuf, "largest_param*lp", {"largest_param": largest},
+                "stage_1_and_2.py temp_grad_buffer_for_gpu_offload")
+        rec("temporaries.zero_ipg_buckets", bucket, "reduce_bucket_size*lp*(2 if overlap_comm)",
+            {"reduce_bucket_size": s.reduce_bucket_size, "lp": lp, "overlap_comm": s.overlap_comm},
+            "deepspeed stage_1_and_2.py setup_buckets()")
+    return b
