@@ -41,8 +41,11 @@ def no_launch(monkeypatch):
     def stop(*args, **kwargs):
         raise WouldLaunch()
 
+    import shardfit.commands.train as train_cmd
+
     # NOTE: the torchrun call itself, not relaunch(): the launch arguments are still checked.
     monkeypatch.setattr(train_launch.subprocess, "call", stop)
+    monkeypatch.setattr(train_cmd, "_relaunch", stop, raising=False)
     monkeypatch.setattr(profile_cmd, "_launch", stop)
     monkeypatch.setattr(bench_run, "bench", stop)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -401,3 +404,46 @@ def test_subprocess_one_line(argv):
 
 def test_no_debug_env_leaks():
     assert not os.environ.get("SHARDFIT_DEBUG"), "SHARDFIT_DEBUG=1 would turn errors into tracebacks here"
+
+
+# ---- doctor reads other tools' configs: mutated DeepSpeed / Accelerate / TrainingArguments files ---
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "train_batch_size": 64,
+             "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                              "reduce_bucket_size": 5e8}}
+ACCELERATE = {"distributed_type": "FSDP", "num_processes": 8, "mixed_precision": "bf16",
+              "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD", "fsdp_offload_params": False}}
+HF_ARGS = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8, "bf16": True, "deepspeed": "ds.json",
+           "gradient_checkpointing": True}
+DOCTOR_FILES = [("ds_config.json", DS_CONFIG), ("accelerate.yaml", ACCELERATE), ("training_args.json", HF_ARGS)]
+
+
+@st.composite
+def mutated_config(draw):
+    name, base = draw(st.sampled_from(DOCTOR_FILES))
+    data = json.loads(json.dumps(base))
+    for _ in range(draw(st.integers(1, 3))):
+        target = data
+        if draw(st.booleans()):
+            nested = [k for k, v in data.items() if isinstance(v, dict)]
+            if nested:
+                target = data[draw(st.sampled_from(nested))]
+        key = draw(st.one_of(st.sampled_from(sorted(target) or ["x"]), st.text(max_size=6)))
+        target[key] = draw(VALUES)
+    return name, data
+
+
+@FUZZ
+@given(mutated_config(), st.sampled_from([(), ("--gpu", "A100-80GB", "--model", "llama-2-7b", "--gpus", "8")]))
+def test_doctor_on_mutated_configs(config, extra):
+    name, data = config
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / name
+        try:
+            path.write_text(yaml.safe_dump(data) if name.endswith(".yaml") else json.dumps(data))
+        except (ValueError, yaml.YAMLError):
+            return
+        rc, _, err = cli("doctor", path, *extra)
+        if rc in (0, 1):  # a report (1: error-severity findings): never a crash
+            assert "internal error" not in err and "Traceback" not in err, err
+        else:
+            assert_one_line_error(rc, err, ("doctor", name, data))

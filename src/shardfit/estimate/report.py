@@ -14,15 +14,18 @@ GIB = 1024**3
 _SHORT = {"params": "params", "grads": "grads", "optimizer": "optim", "activations": "activ", "temporaries": "temps"}
 
 
-def gib(value: float) -> str:
-    return f"{value / GIB:.2f}"
+MIB = 1024**2
+
+
+def gib(value: float, unit: int = GIB) -> str:
+    return f"{value / unit:.2f}"
 
 
 def fits(estimate, gpu) -> bool:
     return estimate.device_peak_bytes <= gpu.memory_bytes
 
 
-def header_lines(plan, gpu, accounting: str, device: str) -> list[str]:
+def header_lines(plan, gpu, accounting: str, device: str, unit_name: str = "GiB") -> list[str]:
     m, t, c = plan.model, plan.training, plan.cluster
     world = c.nodes * c.gpus_per_node
     if m.has_shape:
@@ -36,21 +39,23 @@ def header_lines(plan, gpu, accounting: str, device: str) -> list[str]:
     return [f"{m.name}: {m.n_params / 1e9:.3g}B params; {world} x {gpu.name} ({gpu.memory_gib:g} GiB) on "
             f"{c.nodes} node(s); {t.precision}, {t.optimizer}{lora}",
             f"{work}; accounting {accounting}, device {device}",
-            "GiB per rank at the peak phase; ovhd = CUDA context + NCCL + allocator margin"]
+            f"{unit_name} per rank at the peak phase; ovhd = CUDA context + NCCL + allocator margin"]
 
 
 def table(plan, gpu, rows, accounting: str = "real", device: str = "cuda", skipped=()) -> str:
     """rows: list of (label, Estimate)."""
     heads = ["strategy", *(_SHORT[c] for c in CATEGORIES), "peak", "ovhd", "total", "host", "fits", "peak set by"]
+    # Tiny models read better in MiB; everything else in GiB.
+    unit, unit_name = (MIB, "MiB") if max(est.peak_bytes for _, est in rows) < GIB else (GIB, "GiB")
     body = []
     for label, est in rows:
         at_peak = est.phases[est.peak_phase]
         host = sum(est.host.values())
-        body.append([label, *(gib(at_peak[c]) for c in CATEGORIES), gib(est.peak_bytes), gib(est.overhead_bytes),
-                     gib(est.device_peak_bytes), gib(host) if host else "-",
+        body.append([label, *(gib(at_peak[c], unit) for c in CATEGORIES), gib(est.peak_bytes, unit),
+                     gib(est.overhead_bytes, unit), gib(est.device_peak_bytes, unit), gib(host, unit) if host else "-",
                      "yes" if fits(est, gpu) else "NO", f"{est.peak_phase}/{est.peak_category}"])
     widths = [max(len(str(r[i])) for r in [heads, *body]) for i in range(len(heads))]
-    lines = header_lines(plan, gpu, accounting, device)
+    lines = header_lines(plan, gpu, accounting, device, unit_name)
     lines.append("")
     for i, r in enumerate([heads, *body]):
         cells = [str(r[0]).ljust(widths[0])] + [str(v).rjust(widths[j + 1]) for j, v in enumerate(r[1:-1])]
