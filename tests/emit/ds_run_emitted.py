@@ -31,6 +31,10 @@ def main() -> None:
                                           "world": engine.world_size, "steps": engine.global_steps,
                                           "losses": losses}), flush=True)
         engine.destroy() if hasattr(engine, "destroy") else None
+    # NOTE: without an orderly teardown gloo's threads can abort the interpreter at exit
+    # ("terminate called without an active exception"), failing an otherwise good run.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -31,31 +31,99 @@ SMALL_TERM = 0.01
 TORCH_STRATEGIES = ("ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp2")
 DEEPSPEED_STRATEGIES = ("zero1", "zero2", "zero3", "zero2+offload", "zero3+offload")
 
-# (strategy prefix, phase, category) -> why the estimator doesn't match it yet; "*" matches any.
-# Each is explained, with the tensors responsible, in docs/estimator-calibration.md. Not strict: a
-# gap the estimator closes simply passes. Shrink this table as the estimator is calibrated.
-_PERSIST = ("ZeRO-3 keeps every tensor under stage3_param_persistence_threshold (1e5) whole on every rank; "
-            "on these models that is all of them (calibration §1)")
-_MOMENT = ("the measured split is taken at the real peak instant; the estimator composes its terms at an "
-           "assumed instant, so activations / grads / temporaries divide differently there (calibration §5)")
-KNOWN_GAPS: dict[tuple[str, str, str], str] = {
-    ("zero3", "*", "params"): _PERSIST,
-    ("zero3", "peak", "*"): _PERSIST,
-    ("zero3", "*", "optimizer"): "ZeRO-3 keeps a separate fp32 master partition even in fp32 (calibration §2)",
-    ("fsdp:", "load", "grads"): "FSDP1 keeps the sharded flat grad after zero_grad(set_to_none) until the next forward (§3)",
-    ("zero1", "optimizer", "*"): "ZeRO-1/2 step buffers: fp32 grad partition vs flat 16-bit partition (calibration §4)",
-    ("zero2", "optimizer", "*"): "ZeRO-1/2 step buffers: fp32 grad partition vs flat 16-bit partition (calibration §4)",
-    ("*", "optimizer", "temporaries"): "optimizer-step scratch of the single-tensor AdamW / CPU Adam copies (§4)",
-    ("*", "forward", "temporaries"): _MOMENT,
-    ("*", "forward", "activations"): _MOMENT,
-    ("*", "backward", "*"): _MOMENT,
-    ("fsdp", "peak", "*"): "FSDP backward peak: gathered unit + unsharded grads + reduce-scatter never all live (§6)",
-    ("zero1", "peak", "*"): _MOMENT,
-    ("zero2", "peak", "*"): _MOMENT,
-    ("ddp", "peak", "*"): _MOMENT,
-    ("lora", "load", "activations"): "with LoRA + checkpointing one b*s*h fp32 tensor of the last forward outlives the step (§7)",
-    ("lora", "optimizer", "activations"): "with LoRA + checkpointing one b*s*h fp32 tensor of the last forward outlives the step (§7)",
-    ("lora", "load", "temporaries"): "with LoRA + checkpointing ~34 KiB more persistent temporaries than buckets (§7)",
+# The (configuration, "phase/category") pairs the estimator still misses, each with the mechanism
+# (docs/estimator-calibration.md). Strict both ways: a term off and not listed fails, and so does a
+# listed term that now meets the tolerance (remove it from here). Model states (params, grads at
+# rest, optimizer) and every peak are within tolerance everywhere; what is left is how activations,
+# grads and temporaries divide at the instant of the backward peak, optimizer-step scratch and LoRA.
+_BACKWARD = ("backward peak split: the estimator composes activations / grads / temporaries at one of four "
+             "assumed instants; the real peak falls between them -- inside a block's backward, part way through "
+             "its recompute or its MLP, or (ZeRO-3) while a bucket's reduce-scatter holds two flat copies of it "
+             "(calibration §5)")
+_FSDP_BACKWARD = ("FSDP backward peak split: the unsharded grad of a unit, the next unit's prefetch and the root's "
+                  "unsharded grads are never all live at the peak (the reduce-scatter is synchronous on CPU); "
+                  "without checkpointing the real peak is at backward's start, a near-tie with the instant the "
+                  "estimator picks (calibration §5, §6)")
+_STEP = ("optimizer-step scratch: single-tensor AdamW / CPU-Adam copies, and DeepSpeed's ipg bucket still "
+         "allocated on one rank only during the step (calibration §4)")
+_LORA = ("LoRA + checkpointing: peft makes the embedding output require grad, so one b*s*h fp32 tensor of the "
+         "last forward outlives the step with ~34 KiB of other temporaries, and the adapter path adds tensors "
+         "the block model doesn't list; the step scratch is sized by the largest frozen layer, not the largest "
+         "adapter (calibration §7)")
+KNOWN_GAPS: dict[str, dict[str, str]] = {
+    "tiny-llama/zero1/fp32/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero1/bf16/ac-full": {"backward/activations": _BACKWARD},
+    "tiny-llama/zero2/fp32/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero2/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero3/fp32/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero3/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero2+offload/fp32/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero2+offload/bf16/ac-none": {"optimizer/temporaries": _STEP},
+    "tiny-llama/zero2+offload/bf16/ac-full": {"backward/temporaries": _BACKWARD, "optimizer/temporaries": _STEP},
+    "tiny-llama/zero3+offload/fp32/ac-full": {
+        "backward/grads": _BACKWARD, "backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero3+offload/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-gpt2/zero1/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-gpt2/zero3/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-gpt2/zero3+offload/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/ddp/fp32/ac-full": {
+        "backward/grads": _BACKWARD, "backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/ddp/bf16/ac-full": {"backward/grads": _BACKWARD, "backward/activations": _BACKWARD},
+    "tiny-llama/fsdp:full_shard/fp32/ac-none": {
+        "backward/grads": _FSDP_BACKWARD, "backward/activations": _FSDP_BACKWARD,
+        "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-llama/fsdp:full_shard/fp32/ac-full": {
+        "backward/grads": _FSDP_BACKWARD, "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-llama/fsdp:full_shard/bf16/ac-full": {
+        "backward/grads": _FSDP_BACKWARD, "backward/activations": _FSDP_BACKWARD,
+        "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-llama/fsdp:shard_grad_op/fp32/ac-full": {"backward/grads": _FSDP_BACKWARD},
+    "tiny-llama/fsdp:shard_grad_op/bf16/ac-full": {
+        "backward/grads": _FSDP_BACKWARD, "backward/activations": _FSDP_BACKWARD,
+        "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-llama/fsdp2/fp32/ac-none": {
+        "backward/grads": _FSDP_BACKWARD, "backward/activations": _FSDP_BACKWARD,
+        "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-llama/fsdp2/fp32/ac-full": {"backward/grads": _FSDP_BACKWARD, "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-llama/fsdp2/bf16/ac-full": {
+        "backward/grads": _FSDP_BACKWARD, "backward/activations": _FSDP_BACKWARD,
+        "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-gpt2/ddp/bf16/ac-full": {
+        "backward/grads": _BACKWARD, "backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD,
+        "optimizer/temporaries": _STEP},
+    "tiny-gpt2/fsdp:full_shard/fp32/ac-none": {
+        "backward/grads": _FSDP_BACKWARD, "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-gpt2/fsdp:shard_grad_op/bf16/ac-full": {
+        "backward/grads": _FSDP_BACKWARD, "backward/temporaries": _FSDP_BACKWARD},
+    "tiny-gpt2/fsdp2/fp32/ac-none": {
+        "backward/grads": _FSDP_BACKWARD, "backward/temporaries": _FSDP_BACKWARD, "optimizer/temporaries": _STEP},
+    "tiny-llama/ddp/fp32/lora-ac-full": {
+        "load/activations": _LORA, "load/temporaries": _LORA, "forward/activations": _LORA,
+        "forward/temporaries": _LORA, "backward/activations": _LORA, "backward/temporaries": _LORA,
+        "optimizer/activations": _LORA, "optimizer/temporaries": _LORA},
+    "tiny-llama/fsdp2/fp32/lora-ac-full": {
+        "load/activations": _LORA, "load/temporaries": _LORA, "forward/activations": _LORA,
+        "forward/temporaries": _LORA, "backward/grads": _LORA, "backward/activations": _LORA,
+        "backward/temporaries": _LORA, "optimizer/activations": _LORA, "optimizer/temporaries": _LORA},
+}
+
+
+# Terms whose measured value moves between identical runs (seen across three runs of this matrix, bytes
+# in brackets): whether one more grad tensor, or a DeepSpeed ipg bucket on the worst rank, is still alive
+# at the peak instant depends on timing (cyclic garbage freed by the collector, ranks racing to the
+# step), and the estimate lies between the values. Neither asserted as a pass nor as a gap.
+_TIMING = "measured value moves between runs: {} (the peak instant depends on timing; calibration §4/§5)"
+VARIES: dict[str, dict[str, str]] = {
+    "tiny-llama/zero1/bf16/ac-full": {"backward/grads": _TIMING.format("233984 or 256512, predicted 225856"),
+                                      "backward/temporaries": _TIMING.format("582288 or 619664, predicted 567936")},
+    "tiny-llama/zero2/bf16/ac-full": {"backward/grads": _TIMING.format("233984 or 256512, predicted 225856")},
+    "tiny-llama/zero2+offload/fp32/ac-none": {
+        "optimizer/temporaries": _TIMING.format("84156 or 484136 (ipg bucket alive), predicted 81920")},
+    "tiny-llama/zero3+offload/fp32/ac-none": {
+        "optimizer/temporaries": _TIMING.format("402365 or 579005, predicted 400000")},
+    "tiny-llama/zero3+offload/bf16/ac-full": {"backward/grads": _TIMING.format("0 or 22528, predicted 0")},
+    "tiny-gpt2/fsdp:shard_grad_op/bf16/ac-full": {
+        "backward/activations": _TIMING.format("902668 or 968204, predicted 951296")},
 }
 
 
@@ -191,40 +259,47 @@ def _check_categories(result):
             assert measured == pytest.approx(expected, rel=0.02, abs=4096), f"{category}: {measured} vs {expected}"
 
 
-def _gap(label: str, phase: str, category: str) -> str | None:
-    strategy = label.split("/")[1]
-    for (prefix, gap_phase, gap_cat), reason in KNOWN_GAPS.items():
-        matches = prefix == "*" or strategy.startswith(prefix) or (prefix == "lora" and "lora" in label)
-        if matches and gap_phase in ("*", phase) and gap_cat in ("*", category):
-            return reason
-    return None
-
-
-def _check_estimate(result):
-    comparison = result["comparison"]
-    assert comparison, "no estimate: shardfit.estimate.estimator is missing"
-    failures, known = [], []
+def _off_terms(comparison) -> dict[str, str]:
+    """"phase/category" -> measured vs predicted, for every term out of tolerance ("peak/*" for the peak)."""
+    off = {}
     for phase, rows in comparison.items():
         if phase == "peak":
             continue
         phase_total = max(rows["total"]["measured"], 1)
         for category in CATEGORIES:
             row = rows[category]
-            off = abs(row["predicted"] - row["measured"])
+            miss = abs(row["predicted"] - row["measured"])
             small = row["measured"] < SMALL_TERM * phase_total
-            ok = off <= SMALL_TERM * phase_total if small else off <= TERM_TOLERANCE * row["measured"]
-            if not ok:
-                line = f"{phase}/{category}: measured {row['measured']} predicted {row['predicted']}"
-                reason = _gap(result["label"], phase, category)
-                (known if reason else failures).append(f"{line} ({reason})" if reason else line)
+            if miss > (SMALL_TERM * phase_total if small else TERM_TOLERANCE * row["measured"]):
+                off[f"{phase}/{category}"] = f"measured {row['measured']} predicted {row['predicted']}"
     peak = comparison["peak"]
     if abs(peak["error"]) > PEAK_TOLERANCE:
-        line = f"peak: measured {peak['measured']} ({peak['measured_phase']}) predicted {peak['predicted']}"
-        reason = _gap(result["label"], "peak", "*")
-        (known if reason else failures).append(f"{line} ({reason})" if reason else line)
-    assert not failures, f"{result['label']}: estimator off by more than tolerance:\n  " + "\n  ".join(failures)
-    if known:
-        pytest.xfail("known estimator gaps: " + "; ".join(known))
+        off["peak/*"] = f"measured {peak['measured']} ({peak['measured_phase']}) predicted {peak['predicted']}"
+    return off
+
+
+def _check_estimate(result):
+    comparison = result["comparison"]
+    assert comparison, "no estimate: shardfit.estimate.estimator is missing"
+    off, known = _off_terms(comparison), KNOWN_GAPS.get(result["label"], {})
+    varies = VARIES.get(result["label"], {})
+    unexpected = [f"{term}: {line}" for term, line in off.items() if term not in known and term not in varies]
+    assert not unexpected, f"{result['label']}: estimator off by more than tolerance:\n  " + "\n  ".join(unexpected)
+    closed = sorted(set(known) - set(off))
+    assert not closed, f"{result['label']}: {closed} now within tolerance: remove them from KNOWN_GAPS"
+    missed = {term: reason for term, reason in {**known, **varies}.items() if term in off}
+    if missed:
+        pytest.xfail("known estimator gaps: " + "; ".join(f"{term}: {off[term]} ({why})"
+                                                       for term, why in missed.items()))
+
+
+def test_gap_tables_name_real_configurations_and_terms():
+    labels = {c["label"] for c in TORCH_CONFIGS + DEEPSPEED_CONFIGS}
+    terms = {f"{phase}/{category}" for phase in ("load", "forward", "backward", "optimizer") for category in CATEGORIES}
+    for table in (KNOWN_GAPS, VARIES):
+        assert set(table) <= labels
+        assert all(set(entry) <= terms | {"peak/*"} and all(entry.values()) for entry in table.values())
+    assert not any(set(KNOWN_GAPS.get(label, {})) & set(entry) for label, entry in VARIES.items())
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in TORCH_CONFIGS if not c["label"].startswith("oom")])

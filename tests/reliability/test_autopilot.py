@@ -101,3 +101,20 @@ def test_estimator_ladder_order():
     assert changed.training.activation_checkpointing == "full" and changed.training.micro_batch == 8
     with pytest.raises(Exception, match="nothing left to change"):
         autopilot.choose(last.with_changes(strategy={"offload_optimizer": "cpu"}), 1_000, "cpu")
+
+
+def test_oom_mid_run_resumes_checkpoint_with_new_plan(tmp_path):
+    """An OOM at step 3 (injected: torch.OutOfMemoryError on rank 0) after the step-2 checkpoint: the
+    restart resumes step 2 with the new split, and the checkpoints written after carry the new plan."""
+    out = tmp_path / "run"
+    plan = _plan_file(tmp_path, micro_batch=4, seq_len=64)
+    env = launch.test_env(SHARDFIT_TEST_OOM_AT="step:3:rank:0")
+    result = launch.shardfit("train", plan, "--strategy", "ddp", "--autopilot", "--steps", "4", "--save-every", "2",
+                             "--out", str(out), "--no-progress", env=env, timeout=300)
+    log = result.stdout + result.stderr
+    assert "autopilot: out of memory on rank 0 at step 3" in log and "resumed from" in log and "step-2 at step 2" in log
+    decision = json.loads((out / "autopilot" / "decision-0.json").read_text())
+    assert decision["step"] == 3 and decision["changes"] == {"training": {"micro_batch": 2, "grad_accum": 2}}
+    saved = yaml.safe_load((out / "checkpoints" / "step-4" / "plan.yaml").read_text())
+    assert saved["training"]["micro_batch"] == 2 and saved["training"]["grad_accum"] == 2
+    assert sorted(_losses(out)) == [1, 2, 3, 4]

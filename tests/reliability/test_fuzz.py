@@ -182,6 +182,30 @@ MALFORMED = [
 ]
 
 
+# Inputs the fuzzers found crashing (each was an `internal error` before it was fixed).
+FOUND = [
+    {"training": {"lora": 0}},
+    {"training": {"lora": "rank=8"}},
+    {"strategy": {"reduce_bucket_size": "1e400"}},
+    {"strategy": {"ddp_bucket_cap_mb": float("nan")}},
+    {"model": {**load_model_spec("tiny-llama").to_dict(), "hidden_size": ""}},
+    {"model": {**load_model_spec("tiny-llama").to_dict(), "num_layers": -4}},
+    {"model": "a" * 300},
+    {"cluster": {"gpu": "1e400"}},
+]
+
+
+@pytest.mark.parametrize("change", FOUND, ids=[json.dumps(c, default=str)[:40] for c in FOUND])
+def test_found_crashes_are_one_line_errors(change, tmp_path):
+    data = json.loads(json.dumps(BASE_PLAN))
+    for section, value in change.items():
+        data[section] = {**data[section], **value} if isinstance(value, dict) and section != "model" else value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    rc, _, err = cli("plan", path, "--strategy", "ddp")
+    assert_one_line_error(rc, err, ("plan", change))
+
+
 @pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_yaml_is_one_line(text, tmp_path):
     path = tmp_path / "plan.yaml"
@@ -252,6 +276,9 @@ BAD_ARGS = [
     (["plan", "--params", "nan"], None),
     (["plan", "--params", "inf"], None),
     (["plan", "--params", "1e9", "--largest-layer", "nan"], None),
+    (["plan", "tiny-llama", "--strategy="], None),
+    (["plan", "tiny-llama", "--gpu=1e400"], None),
+    (["plan", "a" * 300], None),
     (["plan", "{evil.yaml}"], None),
     (["plan", "{neg.yaml}"], None),
     (["plan", "{trunc.json}"], None),
@@ -294,6 +321,7 @@ BAD_ARGS = [
     (["profile", "--model", "no-such-model"], None),
     (["profile", "--script", "/nonexistent.py"], None),
     (["profile", "--chart", "{out}/missing-dir/c.png"], "missing-dir/c.png"),
+    (["profile", "--bucket=1e400"], None),
     (["bench", "{evil.yaml}", "--out", "{out}/bench"], "bench"),
     (["bench", "--steps", "1", "--out", "{out}/bench"], "bench"),
     (["bench", "--strategies", "zero9", "--out", "{out}/bench"], "bench"),
@@ -302,6 +330,7 @@ BAD_ARGS = [
     (["bench", "--timeout", "-1", "--out", "{out}/bench"], "bench"),
     (["bench", "--budget-bytes", "-3", "--out", "{out}/bench"], "bench"),
     (["bench", "--budget-bytes", "zero9=100", "--out", "{out}/bench"], "bench"),
+    (["bench", "--budget-bytes=1e400", "--out", "{out}/bench"], "bench"),
     (["train", "{evil.yaml}", "--out", "{out}/run"], "run"),
     (["train", "{neg.yaml}", "--out", "{out}/run"], "run"),
     (["train", "{dir}", "--out", "{out}/run"], "run"),
@@ -315,6 +344,7 @@ BAD_ARGS = [
     (["train", "--ac", "every-x", "--out", "{out}/run"], "run"),
     (["train", "--precision", "fp8", "--out", "{out}/run"], "run"),
     (["train", "--model", "no-such-model", "--out", "{out}/run"], "run"),
+    (["train", "--model=", "--out", "{out}/run"], "run"),
     (["train", "--lora-rank", "-2", "--out", "{out}/run"], "run"),
     (["train", "--keep", "-1", "--out", "{out}/run"], "run"),
     (["train", "--save-every", "-1", "--out", "{out}/run"], "run"),
@@ -447,3 +477,10 @@ def test_doctor_on_mutated_configs(config, extra):
             assert "internal error" not in err and "Traceback" not in err, err
         else:
             assert_one_line_error(rc, err, ("doctor", name, data))
+
+
+def test_doctor_control_characters_stay_one_line(tmp_path):
+    path = tmp_path / "training_args.json"
+    path.write_text(json.dumps({**HF_ARGS, "deepspeed": "bad\rname\nhere.json"}))
+    rc, _, err = cli("doctor", path)
+    assert_one_line_error(rc, err, ("doctor", "control characters"))

@@ -49,7 +49,9 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     reduce_b = 4 if precision in ("bf16", "fp16", "fp32") else 2
     rs_b = tmp.reduce_scatter_bytes(unit, shard, reduce_b, kind == "fsdp2" or reduce_b != gather_bytes)
     b = Buffers()
-    b.fwd_block = root_b + units_b
+    # FSDP1's forward_prefetch is off (torch's default; shardfit's engine leaves it): in forward it
+    # gathers one unit at a time. FSDP2 issues the next unit's all-gather ahead in forward.
+    b.fwd_block = root_b + (one_unit if kind == "fsdp" and reshard else units_b)
     b.fwd_loss = root_b + (kept or (one_unit if kind == "fsdp2" else 0))  # FSDP2 still holds one unit
     b.start = root_b + (kept or one_unit)  # the last block's unit is prefetched
     b.inside = root_b + units_b  # current + prefetched unit (+ the activation grads, added later)

@@ -113,13 +113,27 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         loss_bwd = tmp.loss_backward_bytes(tokens, prof.loss_bwd_temp)
         bwd_work = tmp.activation_grad_bytes(tokens, seq, prof.bwd_work, prof.bwd_work_quad)
         recompute = a_block if n_ckpt else 0
+        # Activations that exist before the head runs: embedding indices, rotary tables / positions.
+        a_pre_head = a_head - int(tokens * sum(per for label, per, _ in prof.head_items
+                                               if not label.startswith("embedding.")))
+        # A checkpointed block saves nothing in forward but still builds its working set there: the
+        # residual stream, the normed input and the widest intermediates (SwiGLU: gate, up, act) --
+        # the same tensors whose gradients make up its backward working set -- and, where attention
+        # materialises scores (eager, or SDPA's math path under dropout), its s^2 tensors.
+        fwd_work = 0
+        if n_ckpt == model.num_layers:
+            fwd_work = int(tokens * prof.bwd_work + tokens * seq * prof.block_quad)
+        if not fwd_work:
+            # Without it, inside the last block its own saved tensors are not all built yet: the
+            # instant is already bounded by a_blocks alone.
+            a_pre_head = 0
         dequant = prof.dequant_temp
         # The cast cache lives until autocast exits (end of forward); backward keeps only the saved ones.
         wcopy_fwd = act.autocast_weight_copy_bytes(prof, model.num_layers, 0)
         wcopy = act.autocast_weight_copy_bytes(prof, model.num_layers, n_ckpt)
     else:
         prof = None
-        n_ckpt = a_blocks = a_head = a_block = loss_fwd = attn_fwd = loss_bwd = bwd_work = 0
+        n_ckpt = a_blocks = a_head = a_block = loss_fwd = attn_fwd = loss_bwd = bwd_work = a_pre_head = fwd_work = 0
         recompute = dequant = wcopy = wcopy_fwd = 0
     if explain and prof is not None:
         term("activations.block", a_block, "b*s*sum(block tensors) + b*s^2*sum(quadratic tensors)",
@@ -168,6 +182,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         grads_persist = grads_full
         buf = Buffers(temps)
         a_blocks = a_head = a_block = loss_fwd = attn_fwd = loss_bwd = bwd_work = recompute = wcopy = wcopy_fwd = 0
+        a_pre_head = fwd_work = 0
     else:
         persistent = sts.zero3_persistent_params(model, s.param_persistence_threshold) if kind == "zero3" else 0
         engine = "fsdp" if kind in ("fsdp", "fsdp2") else kind
@@ -221,10 +236,12 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         # Gradients accumulate across micro-steps: the next forward runs with them allocated.
         grads_persist = max(grads_persist, grads_full)
     # Forward peaks at the loss (every activation + the logits) or inside the last block (its
-    # gathered units / eager scores, without the head's activations), whichever is larger.
+    # gathered units / eager scores and, when checkpointed, its working set; no head activations
+    # yet), whichever is larger.
     acts_f, fwd_temps = a_blocks + a_head, buf.fwd_loss + loss_fwd + wcopy_fwd
-    if a_blocks + buf.fwd_block + attn_fwd + wcopy_fwd > acts_f + fwd_temps:
-        acts_f, fwd_temps = a_blocks, buf.fwd_block + attn_fwd + wcopy_fwd
+    inside = (a_blocks + a_pre_head, buf.fwd_block + attn_fwd + wcopy_fwd + fwd_work)
+    if sum(inside) > acts_f + fwd_temps:
+        acts_f, fwd_temps = inside
     forward = {"params": params, "grads": grads_persist, "optimizer": opt,
                "activations": acts_f, "temporaries": fwd_temps}
     # Backward peaks at its start (all activations + loss gradients), inside the first block it
@@ -235,12 +252,18 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     done = 1.0 - (model.block_params + model.vocab_size * model.hidden_size) / model.n_params \
         if model.has_shape and model.n_params else 0.0
     grads_last = grads_persist + int((grads_full - grads_persist) * max(done, 0.0))
-    grads_reduced = grads_persist
+    grads_reduced, acts_reduced = grads_persist, a_blocks
     if buf.grads_early is not None:  # allocated whole at the first reduction
         grads_reduced = grads_last = buf.grads_early
+        # ...which comes only once reduce_bucket_size gradient elements exist: the head's, then those of
+        # the last blocks, whose backward has already freed their activations (DeepSpeed ZeRO-1/2).
+        if model.has_shape and model.block_params and model.num_layers:
+            head = model.vocab_size * model.hidden_size
+            blocks_done = min(model.num_layers, -(-max(0, s.reduce_bucket_size - head) // model.block_params))
+            acts_reduced = int(a_blocks * (1 - blocks_done / model.num_layers))
     head_grad = buf.head_grad
     for cand in ((a_blocks + recompute, grads_persist + head_grad, buf.inside + bwd_work + wcopy),
-                 (a_blocks, grads_reduced + head_grad, buf.reduce + wcopy),
+                 (acts_reduced, grads_reduced + head_grad, buf.reduce + wcopy),
                  (last_acts, grads_last + head_grad, buf.last + bwd_work),
                  (0, grads_full + head_grad + buf.end_grads, buf.end)):
         if cand[0] + cand[1] + cand[2] > acts_b + grads_b + temps_b:

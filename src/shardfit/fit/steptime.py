@@ -107,6 +107,15 @@ def step_flops(plan: Plan) -> tuple[float, float]:
     return flops * t.grad_accum, model_flops * t.grad_accum
 
 
+def backward_share(plan: Plan) -> float:
+    """Backward's share of a micro-batch's compute (recompute under AC runs in backward): what a
+    reduction issued from the last micro-batch's backward hooks can overlap."""
+    backward = 1.0 if plan.training.lora is not None else 2.0
+    every = parse_activation_checkpointing(plan.training.activation_checkpointing)
+    recompute = 1.0 / every if every else 0.0
+    return (backward + recompute) / (1.0 + backward + recompute)
+
+
 def efficiency(plan: Plan) -> float:
     tokens = plan.training.micro_batch * plan.training.seq_len
     return BASE_EFFICIENCY * min(1.0, tokens / EFFICIENCY_FULL_TOKENS) ** 0.5
@@ -120,10 +129,17 @@ def _param_bytes(plan: Plan) -> float:
     return 4.0 if t.precision == "fp32" else 2.0
 
 
-def comm_volume(plan: Plan) -> dict[str, tuple[float, int, bool]]:
-    """Bytes each rank sends per optimizer step, per link: {"intra"|"inter": (bytes, collectives)}
-    plus whether that traffic overlaps compute. Ring collectives move (N-1)/N of the buffer per
-    rank for all-gather and reduce-scatter, twice that for all-reduce (ZeRO paper §7)."""
+# What communication can hide behind: the whole step's compute (traffic spread over every
+# micro-batch), only the last micro-batch's backward (a reduction held back to the accumulation
+# boundary: DDP under no_sync, ZeRO-1), or nothing (the ZeRO-1/2 all-gather after the step).
+WINDOW_STEP, WINDOW_BOUNDARY, WINDOW_NONE = "step", "boundary", None
+
+
+def comm_volume(plan: Plan) -> dict[str, tuple[float, int, str | None]]:
+    """Bytes each rank sends per optimizer step, per link: {"intra"|"inter": (bytes, collectives,
+    window)}, window being the compute that traffic can overlap (WINDOW_*). Ring collectives move
+    (N-1)/N of the buffer per rank for all-gather and reduce-scatter, twice that for all-reduce
+    (ZeRO paper §7)."""
     s, t, c, m = plan.strategy, plan.training, plan.cluster, plan.model
     n = c.world_size
     if n == 1:
@@ -136,14 +152,20 @@ def comm_volume(plan: Plan) -> dict[str, tuple[float, int, bool]]:
     volume = 0.0
     collectives = 0
     tail = 0.0  # ZeRO-1/2 parameter all-gather after the optimizer step: nothing left to overlap with
+    window = WINDOW_STEP
     if s.kind == "ddp":
         # Gradient all-reduce once per optimizer step (no_sync during accumulation), in buckets.
         volume = 2 * grads * ring
         collectives = max(1, int(grads / (s.ddp_bucket_cap_mb * 2**20)))
+        window = WINDOW_BOUNDARY if accum > 1 else WINDOW_STEP
     elif s.kind in ("zero1", "zero2"):
-        # ZeRO-1 reduces at the boundary; ZeRO-2 reduce-scatters every micro-batch (it can't keep full grads).
+        # ZeRO-1 reduces at the boundary; ZeRO-2 every micro-batch (it can't keep full grads). DeepSpeed
+        # 0.19 reduces each bucket with an all-reduce (average_tensor -> allreduce_and_scatter, since
+        # use_multi_rank_bucket_allreduce defaults on), not the paper's reduce-scatter: 2x the gradient
+        # bytes, so ZeRO-1/2 move 3P per step, not 2P (measured 1.5x in docs/bench.md).
         reductions = 1 if s.kind == "zero1" else accum
-        volume = grads * ring * reductions
+        volume = 2 * grads * ring * reductions
+        window = WINDOW_BOUNDARY if reductions == 1 and accum > 1 else WINDOW_STEP
         collectives = reductions * max(1, int(grads / 2 / max(s.reduce_bucket_size, 1)))
         tail = weights * ring
         collectives += max(1, int(weights / 2 / max(s.allgather_bucket_size, 1)))
@@ -160,14 +182,14 @@ def comm_volume(plan: Plan) -> dict[str, tuple[float, int, bool]]:
                 intra = (weights * gathers + grads) * (group - 1) / group * accum
                 replicas = n // group
                 inter = 2 * grads / group * (replicas - 1) / replicas * accum
-                return {"intra": (intra, units * (gathers + 1) * accum, True),
-                        "inter": (inter, units * accum, True)}
+                return {"intra": (intra, units * (gathers + 1) * accum, WINDOW_STEP),
+                        "inter": (inter, units * accum, WINDOW_STEP)}
             volume = (weights * gathers + grads) * ring * accum
             collectives = units * (gathers + 1) * accum
     link = "inter" if c.nodes > 1 else "intra"
-    out = {link: (volume, collectives, True)}
+    out = {link: (volume, collectives, window)}
     if tail:
-        out[link + "-tail"] = (tail, 1, False)
+        out[link + "-tail"] = (tail, 1, WINDOW_NONE)
     return out
 
 
@@ -222,14 +244,15 @@ def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
     rate = gpu.bf16_tflops * 1e12 * eff * (FP32_RATE_FACTOR if plan.training.precision == "fp32" else 1.0)
     compute = flops / rate
     comm_total = exposed = comm_bytes = 0.0
-    for link, (volume, collectives, overlaps) in comm_volume(plan).items():
+    for link, (volume, collectives, window) in comm_volume(plan).items():
         inter = link.startswith("inter")
         bandwidth = (gpu.inter_node_gbs if inter else gpu.intra_node_gbs) * GB * LINK_EFFICIENCY
         seconds = volume / bandwidth + collectives * (LATENCY_INTER_S if inter else LATENCY_INTRA_S)
         comm_total += seconds
         comm_bytes += volume
-        overlap = OVERLAP if (overlaps and plan.strategy.overlap_comm) else 0.0
-        exposed += max(seconds - overlap * compute, (1 - overlap) * seconds)
+        overlap = OVERLAP if (window and plan.strategy.overlap_comm) else 0.0
+        hide = compute if window == WINDOW_STEP else compute / plan.training.grad_accum * backward_share(plan)
+        exposed += max(seconds - overlap * hide, (1 - overlap) * seconds)
     return StepTime(compute_s=compute, comm_s=comm_total, exposed_comm_s=exposed,
                     offload_s=offload_seconds(plan, gpu), optimizer_s=optimizer_seconds(plan, gpu),
                     tokens=plan.training.micro_batch * plan.training.seq_len * plan.training.grad_accum,

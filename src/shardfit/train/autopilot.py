@@ -123,10 +123,11 @@ def choose(plan, budget_bytes: int | None, device: str = "cpu", reasons: str = "
                             "use more GPUs or a bigger GPU (`shardfit fit` finds one)")
     chosen = next((t for t in usable if t[3] == "fits"), usable[0])
     label, changes, peak, verdict = chosen
-    budget = f"{budget_bytes / 2**20:.1f} MiB" if budget_bytes else "the device"
     est = (f"estimated peak {before / 2**20:.1f} -> {peak / 2**20:.1f} MiB" if before is not None
            else f"estimated peak {peak / 2**20:.1f} MiB")
-    reason = f"{reasons}{est} for a budget of {budget} ({verdict})"
+    limit = (f"for a budget of {budget_bytes / 2**20:.1f} MiB ({verdict})" if budget_bytes
+             else "(no memory limit known here: the first change is taken)")
+    reason = f"{reasons}{est} {limit}"
     if verdict != "fits":
         reason += "; no single change fits, taking the least disruptive one first"
     fits = verdict == "fits" if budget_bytes is not None else None

@@ -59,3 +59,9 @@ def _fire(kind: str, where: str, at: int, rank: int) -> None:
         import torch
 
         raise torch.OutOfMemoryError(f"injected out-of-memory at {where} {at} on rank {rank}")
+
+
+if os.environ.get("SHARDFIT_TEST_STACKS"):  # `kill -USR1 PID` prints every thread's stack (debugging a hang)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
