@@ -1,4 +1,5 @@
 """The Plan: round trips, strategy parsing, and every invalid combination's one-line error."""
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +16,8 @@ SPEC = ModelSpec(name="toy", family="llama", source="toy", n_params=1000, hidden
 
 
 def test_round_trip_through_json_keeps_every_field():
-    plan = Plan(model=SPEC, strategy=parse_strategy("zero3+offload-nvme"),
+    nvme = dataclasses.replace(parse_strategy("zero3+offload-nvme"), nvme_path="/local_nvme")
+    plan = Plan(model=SPEC, strategy=nvme,
                 training=Training(precision="fp16", lora=LoRA(rank=8, target_modules=("q_proj",))))
     text = json.dumps(plan.to_dict())
     again = plan_from_dict(json.loads(text))
@@ -33,6 +35,13 @@ def test_strategy_labels_round_trip(text, label):
     strategy = parse_strategy(text)
     assert strategy.label == label
     assert parse_strategy(strategy.label) == strategy
+
+
+def test_nvme_strategy_has_no_made_up_path():
+    strategy = parse_strategy("zero3+offload-nvme")
+    assert strategy.nvme_path is None
+    with pytest.raises(ShardfitError, match="nvme_path"):
+        validate_plan(Plan(model=SPEC, strategy=strategy))
 
 
 def test_zero3_offload_moves_both_states():

@@ -31,7 +31,7 @@ COMMANDS = {
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like every other user error
-        raise ShardfitError(f"{self.prog}: {message} (see --help)")
+        raise ShardfitError(f"{message} (see `{self.prog} --help`)")
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                 parser.parse_args(argv)
                 return 0
             raise ShardfitError(f"unknown command '{command}': use one of {', '.join(COMMANDS)}")
-        args = build_parser(only=command).parse_args(argv)
+        args, unknown = build_parser(only=command).parse_known_args(argv)
+        if unknown:
+            raise ShardfitError(f"unrecognized arguments: {' '.join(unknown)} (see `shardfit {command} --help`)")
         return int(_module(command).run(args) or 0)
     except ShardfitError as exc:
         print(f"shardfit: error: {exc}", file=sys.stderr)

@@ -33,7 +33,8 @@ DS_CASES = [("zero1", "bf16"), ("zero2", "fp16"), ("zero3", "bf16"), ("zero2+off
 def test_deepspeed_json_is_accepted_by_deepspeedconfig(strategy, precision):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    plan = make(strategy, precision=precision, reduce_bucket_size=12345678)
+    nvme = {"nvme_path": "/local_nvme"} if "nvme" in strategy else {}
+    plan = make(strategy, precision=precision, reduce_bucket_size=12345678, **nvme)
     out = emit(plan, "deepspeed")
     config = json.loads(out.files["ds_config.json"])
     parsed = DeepSpeedConfig(config)  # one process: world size 1, so train_batch_size must be micro x accum

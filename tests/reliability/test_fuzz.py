@@ -41,11 +41,11 @@ def no_launch(monkeypatch):
     def stop(*args, **kwargs):
         raise WouldLaunch()
 
-    import shardfit.commands.train as train_cmd
+    import shardfit.train.supervise as supervise
 
-    # NOTE: the torchrun call itself, not relaunch(): the launch arguments are still checked.
+    # NOTE: the torchrun start itself: everything `shardfit train` checks before it still runs.
     monkeypatch.setattr(train_launch.subprocess, "call", stop)
-    monkeypatch.setattr(train_cmd, "_relaunch", stop, raising=False)
+    monkeypatch.setattr(supervise, "relaunch", stop)
     monkeypatch.setattr(profile_cmd, "_launch", stop)
     monkeypatch.setattr(bench_run, "bench", stop)
     monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -12,8 +12,8 @@ def add_arguments(parser) -> None:
                              "or a training script (.py, read, never run)")
     parser.add_argument("--model", help="the model being trained (preset, config path): enables the size rules")
     parser.add_argument("--gpu", help="GPU catalog name or custom:GiB: enables the memory rules")
-    parser.add_argument("--gpus", type=int, help="GPUs per node")
-    parser.add_argument("--nodes", type=int)
+    parser.add_argument("--gpus", type=int, help="total GPUs (without --nodes, nodes of 8 above 8 GPUs)")
+    parser.add_argument("--nodes", type=int, help="nodes (GPUs per node = --gpus / --nodes)")
     parser.add_argument("--seq", type=int, help="sequence length in tokens")
     parser.add_argument("--global-batch", type=int, dest="global_batch", help="intended sequences per optimizer step")
     parser.add_argument("--json", action="store_true")
@@ -47,7 +47,11 @@ def run(args) -> int:
     if args.gpu:
         from shardfit.spec.gpus import get_gpu
         gpu = get_gpu(args.gpu)
-    ctx = Context(model=model, gpu=gpu, gpus_per_node=args.gpus, nodes=args.nodes, seq_len=args.seq,
+    nodes, per_node = args.nodes, None
+    if args.gpus is not None:
+        from shardfit.spec.gpus import split_gpus
+        nodes, per_node = split_gpus(args.gpus, args.nodes)
+    ctx = Context(model=model, gpu=gpu, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                   global_batch=args.global_batch)
     report = diagnose(args.configs, ctx)
     if args.json:

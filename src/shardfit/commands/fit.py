@@ -1,4 +1,4 @@
-"""`shardfit fit MODEL --gpu H100-80GB --gpus 8 [--nodes 4] --seq 4096 --global-batch 512`: the fastest plan
+"""`shardfit fit MODEL --gpu H100-80GB --gpus 32 [--nodes 4] --seq 4096 --global-batch 512`: the fastest plan
 that fits with margin, the runners-up, and why every other family lost. No torch."""
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="preset name (see `shardfit models`), config.json path/folder, or pkg.module:fn")
     parser.add_argument("--gpu", default="H100-80GB", help="GPU catalog name, or custom:GiB (default H100-80GB)")
-    parser.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
-    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=8,
+                        help="total GPUs (default 8); without --nodes, nodes of 8 above 8 GPUs")
+    parser.add_argument("--nodes", type=int, help="nodes (GPUs per node = --gpus / --nodes)")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length in tokens (default 2048)")
     parser.add_argument("--global-batch", type=int, dest="global_batch",
                         help="sequences per optimizer step, kept fixed (default 4 per GPU)")
@@ -56,9 +57,10 @@ def request_from_args(args):
         if args.steps < 1:
             raise ShardfitError(f"--steps must be at least 1, got {args.steps}")
         base = base.with_changes(schedule=Schedule(steps=args.steps, warmup_steps=min(5, args.steps)))
-    from shardfit.spec.gpus import get_gpu
+    from shardfit.spec.gpus import get_gpu, split_gpus
     get_gpu(args.gpu)  # a bad GPU name fails here, in one line
-    return FitRequest(model=model, gpu=args.gpu, gpus_per_node=args.gpus, nodes=args.nodes, seq_len=args.seq,
+    nodes, per_node = split_gpus(args.gpus, args.nodes)
+    return FitRequest(model=model, gpu=args.gpu, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                       global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
                       optimizer=args.optimizer, engines=engines, device="cpu" if args.cpu else "cuda",
                       host_memory_gib=args.host_memory_gib, top=args.top, base=base)

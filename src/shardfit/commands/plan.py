@@ -61,17 +61,13 @@ def _split_gpus(args, cluster):
     gpus, nodes = args.gpus, args.nodes
     if gpus is None and nodes is None:
         return cluster
-    if gpus is not None and gpus < 1:
-        raise ShardfitError(f"--gpus must be at least 1, got {gpus}")
     if nodes is not None and nodes < 1:
         raise ShardfitError(f"--nodes must be at least 1, got {nodes}")
     if gpus is None:
         return replace(cluster, nodes=nodes)
-    if nodes is None:
-        nodes = 1 if gpus <= 8 else (gpus + 7) // 8
-    if gpus % nodes:
-        raise ShardfitError(f"--gpus {gpus} does not split evenly over {nodes} nodes: give a multiple of --nodes")
-    return replace(cluster, nodes=nodes, gpus_per_node=gpus // nodes)
+    from shardfit.spec.gpus import split_gpus
+    nodes, per_node = split_gpus(gpus, nodes)
+    return replace(cluster, nodes=nodes, gpus_per_node=per_node)
 
 
 def build_plan(args):

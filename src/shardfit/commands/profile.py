@@ -163,7 +163,7 @@ def _print_result(result: dict, plan, args) -> int:
         return 3 if result.get("error") == "oom" else 0
     title = (f"{plan.model.name} · {result['label']} · {plan.training.precision} · micro-batch "
              f"{plan.training.micro_batch} × seq {plan.training.seq_len} · AC {plan.training.activation_checkpointing}"
-             f" · {args.nproc} ranks · worst rank per term")
+             f" · {args.nproc} ranks · worst rank per phase")
     if result.get("error") == "oom":
         # A step cut short by the OOM can't be compared with a whole predicted step.
         print(format_phase_table(result["measured"], title=title + " · measured until the OOM"))
@@ -209,7 +209,7 @@ def _run_script(args) -> int:
     if args.json:
         print(json.dumps(gathered.to_dict(), indent=1))
     else:
-        print(format_phase_table(gathered.phases, title=f"{script.name} · {len(ranks)} ranks · worst rank per term"))
+        print(format_phase_table(gathered.phases, title=f"{script.name} · {len(ranks)} ranks · worst rank per phase"))
         for line in gathered.imbalance_lines():
             print(f"imbalance: {line}")
         from shardfit.measure.oom import diagnose, format_diagnosis

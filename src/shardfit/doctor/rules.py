@@ -125,7 +125,7 @@ def does_not_fit(setup: Setup, ctx: Context) -> list[Finding]:
                     message=f"this run is predicted to need {peak / GIB:.1f} GiB per GPU on a {ctx.gpu.memory_gib:g} GiB "
                             f"{ctx.gpu.name} (micro-batch {plan.training.micro_batch}, seq {plan.training.seq_len}, "
                             f"{plan.strategy.label}, AC {plan.training.activation_checkpointing})",
-                    fix=f"`shardfit fit {ctx.model.name} --gpu {ctx.gpu.name} --gpus {plan.cluster.gpus_per_node} "
+                    fix=f"`shardfit fit {ctx.model.name} --gpu {ctx.gpu.name} --gpus {plan.cluster.world_size} "
                         f"--nodes {plan.cluster.nodes} --seq {plan.training.seq_len}` finds one that fits",
                     where=setup.origin("engine"))]
 
@@ -249,6 +249,18 @@ def offload_not_needed(setup: Setup, ctx: Context) -> list[Finding]:
                     where=setup.origin("offload_optimizer") or setup.origin("offload_params"))]
 
 
+def _hybrid_would_fit(setup: Setup, ctx: Context) -> bool:
+    """True when sharding inside each node (states replicated across nodes) still fits, or when the
+    model / GPU are unknown and the advice can't be checked."""
+    plan = plan_of(setup, ctx, activation_checkpointing=setup.activation_checkpointing is not False)
+    if plan is None:
+        return True
+    # FSDP can't offload the optimizer alone: compare like with like (params offloaded or not).
+    offload = "cpu" if plan.strategy.offload_params else None
+    hybrid = Strategy(kind="fsdp2", shard_group_size=plan.cluster.gpus_per_node, offload_params=offload)
+    return _fits(replace(plan, strategy=hybrid), ctx)[0]
+
+
 def full_shard_slow_links(setup: Setup, ctx: Context) -> list[Finding]:
     shards = (setup.engine == "deepspeed" and setup.zero_stage == 3) or (
         setup.engine in ("fsdp", "fsdp2") and setup.sharding in (None, "full_shard", "shard_grad_op"))
@@ -258,6 +270,8 @@ def full_shard_slow_links(setup: Setup, ctx: Context) -> list[Finding]:
     nodes = ctx.node_count(setup)
     gpu = ctx.gpu
     if nodes > 1 and (gpu is None or gpu.inter_node_gbs * SLOW_LINK_RATIO <= gpu.intra_node_gbs):
+        if not _hybrid_would_fit(setup, ctx):
+            return []  # sharding over every node is what makes it fit: there is nothing better to suggest
         speed = f" ({gpu.inter_node_gbs:g} GB/s between nodes vs {gpu.intra_node_gbs:g} inside)" if gpu else ""
         return [Finding(rule="full-shard-slow-links", severity="warning",
                         message=f"parameters sharded across all {nodes} nodes: every all-gather crosses the slow "

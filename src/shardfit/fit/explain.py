@@ -128,7 +128,7 @@ def suggest(search, base, request, precision, loss_scaling) -> list[str]:
         hit = first_fit(nodes=nodes)
         if hit:
             out.append(f"more GPUs: {nodes * request.gpus_per_node} ({nodes} nodes x {request.gpus_per_node}) "
-                       f"with {hit[0]} needs {fmt_bytes(hit[1])} per GPU (--nodes {nodes})")
+                       f"with {hit[0]} needs {fmt_bytes(hit[1])} per GPU (--gpus {nodes * request.gpus_per_node} --nodes {nodes})")
             break
     if request.lora is None and base.model.has_shape:
         for lora, flag in ((LoRA(rank=16), "--lora-r 16"), (LoRA(rank=16, base_dtype="nf4"), "--lora-r 16 --lora-base nf4")):

@@ -100,14 +100,21 @@ class RankReport:
 
 @dataclass(frozen=True, kw_only=True)
 class GatheredReport:
-    """All ranks' reports; `phases` is the worst rank per phase and category (what must fit)."""
+    """All ranks' reports; `phases` is, per phase, the breakdown of the rank with the largest total
+    there (what must fit). Not a per-category maximum: each rank's breakdown is one real instant, and
+    mixing categories from two ranks' instants adds up to a moment no rank lived (the ranks' peaks
+    move by a few tensors from run to run). `spread()` gives the per-category max / min."""
     ranks: tuple
 
     @property
     def phases(self) -> dict:
-        return {phase: {cat: max(r.phases.get(phase, {}).get(cat, 0) for r in self.ranks)
-                        for cat in CATEGORIES + ("host",)}
-                for phase in PHASES if any(phase in r.phases for r in self.ranks)}
+        out = {}
+        for phase in PHASES:
+            have = [r for r in self.ranks if phase in r.phases]
+            if have:
+                worst = max(have, key=lambda r: (sum(r.phases[phase].get(c, 0) for c in CATEGORIES), -r.rank))
+                out[phase] = {cat: worst.phases[phase].get(cat, 0) for cat in CATEGORIES + ("host",)}
+        return out
 
     def spread(self) -> dict:
         """phase -> category -> {max, min, imbalance}: imbalance = (max − min) / max."""

@@ -78,3 +78,18 @@ def get_gpu(name: str) -> GPU:
         pass
     known = ", ".join(gpu.name for gpu in _CATALOG)
     raise ShardfitError(f"unknown GPU '{name}': use one of {known}, or a custom size such as 'custom:24' (GiB)")
+
+
+def split_gpus(total: int, nodes: int | None = None) -> tuple[int, int]:
+    """(nodes, GPUs per node) for `--gpus TOTAL [--nodes N]`, the same in every command: without
+    --nodes, up to 8 GPUs are one node and more are split over ceil(TOTAL / 8) equal nodes."""
+    if total < 1:
+        raise ShardfitError(f"--gpus must be at least 1, got {total}")
+    if nodes is not None and nodes < 1:
+        raise ShardfitError(f"--nodes must be at least 1, got {nodes}")
+    if nodes is None:
+        nodes = 1 if total <= 8 else (total + 7) // 8
+    if total % nodes:
+        raise ShardfitError(f"--gpus {total} (the total) does not split evenly over {nodes} nodes: "
+                            "give a multiple of --nodes")
+    return nodes, total // nodes

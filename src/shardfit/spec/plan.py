@@ -105,8 +105,7 @@ def parse_strategy(text: str) -> Strategy:
             values["offload_params"] = device
         else:
             values["offload_params"] = device
-        if device == "nvme":
-            values["nvme_path"] = "/local_nvme"
+    # NOTE: an NVMe strategy gets no default path on purpose: validation asks for a real mount.
     return Strategy(**values)
 
 
@@ -347,7 +346,7 @@ def validate_plan(plan: Plan) -> list[str]:
 
     # Offload: where each engine supports it.
     if "nvme" in (s.offload_optimizer, s.offload_params) and not s.nvme_path:
-        bad("NVMe offload needs a path: set strategy.nvme_path (a local NVMe mount, e.g. /local_nvme)")
+        bad("NVMe offload needs a path: set strategy.nvme_path in the plan, or --nvme-path (a local NVMe mount, e.g. /local_nvme)")
     if s.kind == "ddp" and (s.offload_optimizer or s.offload_params):
         bad("DDP has no offload: use zero2+offload (optimizer) or zero3+offload / fsdp2+offload (parameters)")
     if s.kind in ("zero1", "zero2"):
@@ -372,7 +371,7 @@ def validate_plan(plan: Plan) -> list[str]:
         group = s.shard_group_size or c.gpus_per_node
         if group < 1 or c.world_size % group:
             bad(f"hybrid shard group of {group} ranks does not divide the world size {c.world_size} "
-                f"({c.nodes} nodes x {c.gpus_per_node} GPUs): set strategy.shard_group_size to a divisor")
+                f"({c.nodes} nodes x {c.gpus_per_node} GPUs): set strategy.shard_group_size (--shard-group-size) to a divisor")
         if s.kind == "fsdp" and group == 1 and c.world_size > 1:
             bad("FSDP1 hybrid shard with a shard group of 1 silently falls back to NO_SHARD and never "
                 "all-reduces across replicas: use fsdp2, or a shard group of 2 or more")

@@ -48,7 +48,7 @@ class Watchdog:
         self.store = store
         self.exit_process = exit_process
         self.fired: str | None = None
-        self._current: tuple | None = None  # (step, what, started)
+        self._current: tuple | None = None  # (step, what, started, limit)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -62,7 +62,12 @@ class Watchdog:
         return cls(ctx.rank, ctx.world_size, timeout_s, _store() if timeout_s else None)
 
     def close(self) -> None:
+        """Stop the thread and drop the store before the process group goes away: a c10d store still
+        referenced from a live thread at interpreter exit is one more C++ object torn down late."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        self.store = None
 
     def _post(self, step: int, what: str, state: str) -> None:
         if self.store is None:
@@ -74,13 +79,15 @@ class Watchdog:
             pass
 
     @contextmanager
-    def watch(self, step: int, what: str):
+    def watch(self, step: int, what: str, scale: float = 1.0):
+        """`scale` stretches the timeout for parts that are legitimately slow (a checkpoint of a large
+        model written to network storage) without loosening it for the step itself."""
         if not self.timeout_s:
             yield
             return
         self._post(step, what, "in")
         with self._lock:
-            self._current = (step, what, time.monotonic())
+            self._current = (step, what, time.monotonic(), self.timeout_s * scale)
         try:
             yield
         finally:
@@ -95,13 +102,13 @@ class Watchdog:
                 current = self._current
             if current is None:
                 continue
-            step, what, started = current
+            step, what, started, limit = current
             waited = time.monotonic() - started
-            if waited > self.timeout_s:
-                self._fire(step, what, waited)
+            if waited > limit:
+                self._fire(step, what, waited, limit)
                 return
 
-    def _peers(self) -> list[str]:
+    def _peers(self, limit: float) -> list[str]:
         if self.store is None:
             return ["the other ranks did not answer"]
         now, notes = time.time(), []
@@ -118,16 +125,17 @@ class Watchdog:
                 notes.append(f"rank {rank} can't be reached")
                 continue
             ago = now - info["t"]
-            if ago < self.timeout_s / 2:
+            if ago < limit / 2:
                 continue  # recently alive: also waiting, or fine
             where = "in" if info["state"] == "in" else "after"
             notes.append(f"rank {rank} is stuck {where} step {info['step']} {info['what']} (last heard {ago:.0f} s ago)")
         return notes or ["every other rank is waiting too (a lost message, or a rank outside the loop)"]
 
-    def _fire(self, step: int, what: str, waited: float) -> None:
+    def _fire(self, step: int, what: str, waited: float, limit: float) -> None:
+        scaled = "" if limit == self.timeout_s else f", x{limit / self.timeout_s:g} for this part"
         line = (f"shardfit: error: hang: rank {self.rank} waited {waited:.0f} s in step {step} {what}; "
-                + "; ".join(self._peers())
-                + f". Stopping the job (--collective-timeout {self.timeout_s:g}).")
+                + "; ".join(self._peers(limit))
+                + f". Stopping the job (--collective-timeout {self.timeout_s:g}{scaled}).")
         self.fired = line
         print(line, file=sys.stderr, flush=True)
         if self.exit_process:
@@ -157,8 +165,10 @@ def process_group_kwargs() -> dict:
 
 
 def init_timeout():
-    """The timedelta for init_process_group(timeout=...), or None for torch's default."""
+    """The timedelta for init_process_group(timeout=...), or None for torch's default. A backstop
+    behind the watchdog, never shorter than torch's own 30 minutes: a barrier in a long checkpoint
+    save must not time out where the watchdog would have allowed it."""
     import datetime
 
     timeout = configured_timeout()
-    return datetime.timedelta(seconds=max(1.5 * timeout, 60.0)) if timeout else None
+    return datetime.timedelta(seconds=max(6 * timeout, 1800.0)) if timeout else None

@@ -1,0 +1,156 @@
+"""What `shardfit train` does around the training loop so a failure ends in one readable line:
+checks before torchrun starts, torchrun with restarts and without its own traceback, the worker's
+handling of an OOM (autopilot) and of a lost peer. The loop itself is in loop.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from shardfit.errors import ShardfitError
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
+              "NCCL communicator was aborted")
+
+
+def check_run(plan, args, inside: bool) -> None:
+    """What only `train` needs from a Plan and its flags: checked before torchrun starts, one line each."""
+    if args.model is not None and not args.model.strip():
+        raise ShardfitError("--model is empty: give a preset name (see `shardfit models`), a config path or pkg.module:fn")
+    s = plan.schedule
+    for name, value, low in (("steps", s.steps, 1), ("log_every", s.log_every, 0), ("eval_every", s.eval_every, 0),
+                             ("save_every", s.save_every, 0), ("keep_checkpoints", s.keep_checkpoints, 0),
+                             ("warmup_steps", s.warmup_steps, 0)):
+        if value < low:
+            raise ShardfitError(f"schedule.{name} must be at least {low}, got {value}")
+    for name, value in (("lr", s.lr), ("weight_decay", s.weight_decay), ("grad_clip", s.grad_clip),
+                        ("min_lr_ratio", s.min_lr_ratio)):
+        if not math.isfinite(value) or value < 0:
+            raise ShardfitError(f"schedule.{name} must be a finite number >= 0, got {value}")
+    if s.nan_policy not in ("stop", "skip"):
+        raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
+    if s.nan_policy == "skip" and plan.strategy.is_deepspeed:
+        raise ShardfitError("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop")
+    for name, value in (("data.path", plan.data.path), ("data.tokenizer", plan.data.tokenizer)):
+        if value and not Path(value).exists():
+            raise ShardfitError(f"{name} '{value}' does not exist: give a local file or folder")
+    from shardfit.train.manifest import MANIFEST, step_folders
+
+    if args.resume in ("latest", "latest-valid") and not inside and not step_folders(Path(args.out) / "checkpoints"):
+        raise ShardfitError(f"--resume {args.resume}: no checkpoint under {Path(args.out) / 'checkpoints'} "
+                            "(use --resume auto to start fresh when there is none)")
+    if args.resume and args.resume not in ("latest", "latest-valid", "auto"):
+        folder = Path(args.resume)
+        if not (folder / MANIFEST).is_file() and not step_folders(folder / "checkpoints"):
+            raise ShardfitError(f"--resume {args.resume}: not a checkpoint folder (no {MANIFEST}) nor a run folder with "
+                                "checkpoints (give 'latest', 'latest-valid', 'auto', a run or a checkpoint folder)")
+    for name, value in (("--memory-budget", args.memory_budget), ("--collective-timeout", args.collective_timeout)):
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise ShardfitError(f"{name} must be a positive number, got {value}")
+    if args.max_restarts is not None and args.max_restarts < 0:
+        raise ShardfitError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ShardfitError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
+
+
+def export_env(args) -> None:
+    """The workers read these (also when a user starts them with torchrun directly)."""
+    if args.memory_budget is not None:
+        os.environ["SHARDFIT_MEMORY_BUDGET"] = str(int(args.memory_budget))
+    if args.collective_timeout is not None:
+        os.environ["SHARDFIT_COLLECTIVE_TIMEOUT"] = str(args.collective_timeout)
+
+
+def relaunch(worker_argv: list[str], args, restarts: int) -> int:
+    """torchrun with `restarts`; its own failure report (a traceback of the launcher and a table) is
+    replaced by one line, the workers' own lines pass through untouched."""
+    from shardfit.train.launch import torchrun_command
+
+    command = torchrun_command(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    command = [c for c in command if not c.startswith("--max-restarts")]
+    command.insert(3, f"--max-restarts={restarts}")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    if os.environ.get("SHARDFIT_DEBUG"):
+        return subprocess.call(command, env=env)
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    failures = filter_launcher(process.stderr, sys.stderr)
+    code = process.wait()
+    if code != 0:
+        if failures:  # the last one ended the job; earlier ones were recovered by restarts
+            rank, status = failures[-1]
+            what = f"rank {rank} " + (f"was killed (signal {-status})" if status < 0 else f"exited with code {status}")
+        else:
+            what = f"torchrun exited with code {code}"
+        print(f"shardfit: error: training stopped: {what}; its own error is above"
+              + ("" if restarts == 0 else f" ({restarts} restart(s) were allowed)"), file=sys.stderr, flush=True)
+    return code
+
+
+_AGENT_LINE = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S*torch/distributed/")
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+
+
+def filter_launcher(lines, sink) -> list[tuple[int, int]]:
+    """Drop torchrun's own log lines and its ChildFailedError report; return (local rank, exit code)
+    of each failure it logged, in order."""
+    failures, block = [], None
+    for line in lines:
+        if block is not None:
+            block.append(line)
+            launcher = any("torch/distributed/" in b or "ChildFailedError" in b for b in block)
+            if launcher and line.startswith("====") and any(b.startswith("Root Cause") for b in block):
+                block = None  # the end of torchrun's report: drop it whole
+            elif not launcher and (len(block) > 400 or (line.strip() and not line.startswith((" ", "Traceback")))):
+                sink.writelines(block)
+                block = None
+            continue
+        if _AGENT_LINE.match(line):
+            found = _AGENT_FAILED.search(line)
+            if found:
+                failures.append((int(found.group(2)), int(found.group(1))))
+            continue
+        if line.startswith("Traceback (most recent call last)"):
+            block = [line]
+            continue
+        sink.write(line)
+        sink.flush()
+    if block:
+        sink.writelines(block)
+    return failures
+
+
+def oom_error(exc, rank: int) -> ShardfitError:
+    detail = str(exc).strip().strip("'\"").splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ShardfitError(f"out of memory on rank {rank} ({detail}): rerun with --autopilot, or see `shardfit fit` "
+                         "for a plan that fits")
+
+
+def lost_peer(exc: BaseException) -> ShardfitError | None:
+    """The one-line error for a collective that failed because another rank died, else None."""
+    text = str(exc)
+    if not any(sign in text for sign in _PEER_LOST):
+        return None
+    detail = re.sub(r"^\[[^\]]*\] ", "", text.splitlines()[0]).split(". This is typically")[0][-120:]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    then = ("torchrun restarts every rank from the newest intact checkpoint"
+            if attempt < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) else "resume with --resume latest-valid")
+    return ShardfitError(f"rank {os.environ.get('RANK', '?')} lost contact with another rank ({detail}): that rank "
+                         f"crashed or was killed, see its own error above; {then}")
+
+
+def next_step(out) -> int | None:
+    """The step that was running: one past the last one logged (rank 0 writes metrics.jsonl)."""
+    try:
+        lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+        return int(json.loads(lines[-1])["step"]) + 1 if lines else 1
+    except FileNotFoundError:
+        return 1
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
