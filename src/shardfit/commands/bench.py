@@ -16,7 +16,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy, after warm-up (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps; the last one is instrumented (default 2)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
-    parser.add_argument("--budget-bytes", default=None,
+    parser.add_argument("--memory-budget", "--budget-bytes", dest="budget_bytes", default=None,
                         help="memory budget per rank: BYTES for all, or LABEL=BYTES[,LABEL=BYTES]; over it = OOM")
     parser.add_argument("--nproc", type=int, default=None, help="ranks per job (default: 2 on CPU, GPUs on CUDA)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per torchrun job (default 300)")
@@ -28,8 +28,10 @@ def run(args) -> int:
     from shardfit.bench import report as report_mod
     from shardfit.bench.run import DEFAULT_STRATEGIES, bench, load_bench_plan, parse_budgets
 
-    if args.steps < 2 or args.warmup < 1:
-        raise ShardfitError("--steps must be at least 2 and --warmup at least 1 (the step time needs a spread)")
+    if args.steps < 2 or args.warmup < 2:
+        # NOTE: the instrumented step is the last warm-up step; on the first step optimizer states
+        # are still being created lazily, so measuring it would not be a steady-state step.
+        raise ShardfitError("--steps and --warmup must each be at least 2 (a spread of step times; a steady step to measure)")
     nproc = args.nproc or _default_nproc()
     labels = [s.strip() for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",") if s.strip()]
     if len(set(labels)) != len(labels):

@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=2, help="steps to run; the last is reported (default 2)")
     run.add_argument("--checkpoint", action="store_true", help="also measure a checkpoint save")
-    run.add_argument("--budget", type=float, help="memory budget in bytes: an OOM is raised (and explained) above it")
+    run.add_argument("--memory-budget", "--budget", dest="budget", type=float, help="memory budget in bytes: an OOM is raised (and explained) above it")
     run.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     run.add_argument("--timeout", type=float, default=900, help="seconds before the run is declared hung")
     out = parser.add_argument_group("output")
