@@ -119,8 +119,8 @@ def raw_deepspeed(plan, ctx):
 def main() -> int:
     args = parse()
     if "LOCAL_RANK" not in os.environ:
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/shardfit/torch_extensions"))
+        from shardfit.runtime_env import launch_env
+        env = launch_env()
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--standalone",
                    __file__, *sys.argv[1:]]
         return subprocess.call(command, env=env)

@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/shardfit/torch_extensions}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(.venv/bin/python -c "from shardfit.runtime_env import extensions_dir; print(extensions_dir())")}
 sf=.venv/bin/shardfit
 out=${SHARDFIT_OUT:-runs/quickstart}
 mkdir -p "$out"

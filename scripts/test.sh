@@ -7,7 +7,7 @@ bash scripts/setup.sh
 bash scripts/ci-deps.sh || echo "test.sh: chromium not installed; the HTML report test will skip" >&2
 # DeepSpeed compiles its CPU ops on first use (minutes). Build them once, before the tests, into a
 # stable cache so no test pays for it inside its timeout.
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/shardfit/torch_extensions}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(.venv/bin/python -c "from shardfit.runtime_env import extensions_dir; print(extensions_dir())")}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/python - <<'PY'
 import time

@@ -2,7 +2,6 @@
 timeout so a hang fails fast with a clear message instead of stalling the suite."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -18,9 +17,9 @@ def free_port() -> int:
 
 
 def test_env(**extra: str) -> dict:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    from shardfit.runtime_env import launch_env
+
+    env = launch_env()
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

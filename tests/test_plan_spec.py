@@ -7,7 +7,7 @@ import pytest
 from shardfit.errors import ShardfitError
 from shardfit.spec.gpus import CATALOG, get_gpu
 from shardfit.spec.model_spec import ModelSpec, params_only_spec
-from shardfit.spec.plan import (LoRA, Plan, Strategy, Training, parse_activation_checkpointing, parse_strategy,
+from shardfit.spec.plan import (LoRA, Plan, Training, parse_activation_checkpointing, parse_strategy,
                                 plan_from_dict, validate_plan)
 
 SPEC = ModelSpec(name="toy", family="llama", source="toy", n_params=1000, hidden_size=8, num_layers=2,

@@ -2,7 +2,6 @@
 ONE GPU, each as its own torchrun job, in under 5 minutes on one H200.
 
     bash scripts/setup.sh            # or any venv with a CUDA torch, deepspeed, transformers
-    export TORCH_EXTENSIONS_DIR=$HOME/.cache/shardfit/torch_extensions
     python benchmarks/gpu/bench_1b.py [--out runs/bench-1b] [--strategies ...] [--checkpoint]
 
 What to expect and why:

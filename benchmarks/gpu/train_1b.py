@@ -46,8 +46,8 @@ def peak_tflops(name: str) -> float:
 def main() -> int:
     args = parse()
     if "LOCAL_RANK" not in os.environ:
-        env = {**os.environ, "OMP_NUM_THREADS": "8"}
-        env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/shardfit/torch_extensions"))
+        from shardfit.runtime_env import launch_env
+        env = {**launch_env(), "OMP_NUM_THREADS": "8"}
         return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
                                 __file__, *sys.argv[1:]], env=env)
 

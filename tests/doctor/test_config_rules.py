@@ -1,7 +1,6 @@
 """Each config rule: one setup that triggers it and one that doesn't, read from real config files."""
 import json
 
-import pytest
 import yaml
 
 from shardfit.doctor import Context, diagnose

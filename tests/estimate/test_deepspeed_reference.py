@@ -2,13 +2,13 @@
 `deepspeed` accounting reproduces them; the `real` accounting differs exactly where DeepSpeed's
 assumptions do (16-bit partition, buckets, prefetch)."""
 import os
-from pathlib import Path
 
 import pytest
 
 from estimate_cases import BIG, params_plan, plan
 from shardfit.estimate import estimate
 from shardfit.estimate.deepspeed_reference import zero2_model_states, zero3_model_states
+from shardfit.runtime_env import extensions_dir
 
 SIZES = [(7_500_000_000, 525_336_576), (1_000_000, 20_000), (70_553_706_496, 1_050_673_152)]
 LAYOUTS = [(8, 1), (8, 4), (1, 1), (4, 2)]
@@ -16,7 +16,7 @@ LAYOUTS = [(8, 1), (8, 4), (1, 1), (4, 2)]
 
 @pytest.fixture(scope="module")
 def ds():
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", extensions_dir())
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.zero import stage3, stage_1_and_2
     return stage_1_and_2, stage3

@@ -158,7 +158,7 @@ def test_adafactor_is_factored():
 def test_lora_adapter_count_from_shapes():
     # r*(in+out) per targeted projection per layer: q h->heads*hd, k/v h->kv*hd, o heads*hd->h.
     r = 8
-    q, kv = HEADS_HD, KV_HD = 4 * 16, 2 * 16
+    q, kv = 4 * 16, 2 * 16  # heads*head_dim, kv_heads*head_dim
     expected = 2 * r * ((64 + q) + 2 * (64 + kv) + (q + 64))
     assert sts.lora_adapter_params(HAND, r, ("q_proj", "k_proj", "v_proj", "o_proj")) == expected
     mlp = 2 * r * ((64 + 128) * 2 + (128 + 64))

@@ -89,9 +89,9 @@ def parse_budgets(text: str | None, labels: list[str]) -> dict[str, int]:
 
 
 def _env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    from shardfit.runtime_env import launch_env
+
+    env = launch_env()
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -94,9 +94,9 @@ def _launch(module_args: list[str], nproc: int, timeout: float):
 
     from shardfit.errors import ShardfitError
 
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    from shardfit.runtime_env import launch_env
+
+    env = launch_env()
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
                f"--master-port={_free_port()}", *module_args]
     try:

@@ -7,7 +7,7 @@ files describe one run (accelerate.yaml + ds_config.json + train.py): their fact
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from shardfit.errors import ShardfitError

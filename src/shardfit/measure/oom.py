@@ -2,7 +2,7 @@
 smallest changes that fit according to the estimator (`estimate(plan.with_changes(...))`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shardfit.estimate.result import CATEGORIES
 from shardfit.measure.report import fmt_bytes

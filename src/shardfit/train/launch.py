@@ -40,12 +40,9 @@ def torchrun_command(argv: list[str], nproc: int, nnodes: int, node_rank: int, e
 
 
 def relaunch(argv: list[str], nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> int:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
-    if not Path("/dev/nvidiactl").exists():
-        # Tell DeepSpeed up front: otherwise each rank prints a warning while it probes for a GPU.
-        env.setdefault("DS_ACCELERATOR", "cpu")
+    from shardfit.runtime_env import launch_env
+
+    env = launch_env()
     return subprocess.call(torchrun_command(argv, nproc, nnodes, node_rank, endpoint), env=env)
 
 
