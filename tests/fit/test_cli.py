@@ -102,3 +102,13 @@ def test_verify_refuses_a_plan_this_machine_cannot_hold(tmp_path):
     target = tmp_path / "plan.yaml"
     err = one_line_error(shardfit("fit", "llama-3.1-8b", "--gpus", "8", "--verify", "-o", str(target), check=False))
     assert "--verify would need" in err and "verify on the target GPUs" in err and not target.exists()
+
+
+def test_an_nvme_plan_is_written_only_with_a_real_mount(tmp_path):
+    target = tmp_path / "nvme.yaml"
+    args = ("fit", "llama-3.1-405b", "--gpus", "8", "--seq", "8192", "--host-memory-gib", "1000", "-o", str(target))
+    err = one_line_error(shardfit(*args, check=False))
+    assert "--nvme-path" in err and not target.exists()
+    shardfit(*args, "--nvme-path", "/mnt/nvme0")
+    plan = load_plan(target)
+    assert plan.strategy.offload_params == "nvme" and plan.strategy.nvme_path == "/mnt/nvme0"

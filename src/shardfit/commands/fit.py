@@ -27,6 +27,8 @@ def add_arguments(parser) -> None:
                         help="budget for a CPU run: compare tensor bytes only (no CUDA context / NCCL)")
     parser.add_argument("--host-memory-gib", type=float, dest="host_memory_gib",
                         help="host RAM per node; offload plans that exceed it are rejected")
+    parser.add_argument("--nvme-path", dest="nvme_path",
+                        help="NVMe mount for ZeRO-Infinity offload (needed to write a plan that offloads to NVMe)")
     parser.add_argument("--top", type=int, default=3, help="alternatives to show (default 3)")
     parser.add_argument("--steps", type=int, help="training steps to write into the plan")
     parser.add_argument("-o", "--output", help="write the best plan to this YAML/JSON file (for emit/train)")
@@ -63,7 +65,7 @@ def request_from_args(args):
     return FitRequest(model=model, gpu=args.gpu, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                       global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
                       optimizer=args.optimizer, engines=engines, device="cpu" if args.cpu else "cuda",
-                      host_memory_gib=args.host_memory_gib, top=args.top, base=base)
+                      host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)
 
 
 def run(args) -> int:
@@ -76,6 +78,10 @@ def run(args) -> int:
         from shardfit.fit.verify import verify
         checked = verify(result)
     ok = result.fits and (checked is None or checked.fits)
+    if args.output and ok and "nvme" in result.best.plan.strategy.label and not args.nvme_path:
+        from shardfit.errors import ShardfitError
+        raise ShardfitError(f"the best plan offloads to NVMe: give --nvme-path (a local NVMe mount) so "
+                            f"{args.output} names a real one")
     if args.output and ok:
         from shardfit.spec.planfile import dump_plan
         dump_plan(result.best.plan, args.output)

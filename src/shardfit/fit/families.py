@@ -30,7 +30,12 @@ class Family:
     multi_node_only: bool = False
 
 
-def families(gpus_per_node: int, nodes: int, hidden_size: int) -> list[Family]:
+# Memory and time don't depend on where the NVMe is mounted; a plan that is written out must
+# name the real mount (`fit --nvme-path`), which the fit command checks before writing.
+NVME_PLACEHOLDER = "/local_nvme"
+
+
+def families(gpus_per_node: int, nodes: int, hidden_size: int, nvme_path: str | None = None) -> list[Family]:
     """Every strategy family that makes sense for this cluster, in the field's order."""
     group = gpus_per_node
     out = [
@@ -56,7 +61,7 @@ def families(gpus_per_node: int, nodes: int, hidden_size: int) -> list[Family]:
         Family("fsdp2+offload", Strategy(kind="fsdp2", offload_params="cpu"), 12, 1),
         Family("zero3+offload", Strategy(kind="zero3", offload_optimizer="cpu", offload_params="cpu"), 13, 1),
         Family("zero3+offload-nvme", Strategy(kind="zero3", offload_optimizer="nvme", offload_params="nvme",
-                                              nvme_path="/local_nvme"), 14, 2),
+                                              nvme_path=nvme_path or NVME_PLACEHOLDER), 14, 2),
     ]
     return out
 

@@ -36,6 +36,7 @@ class FitRequest:
     engines: tuple[str, ...] = ("ddp", "deepspeed", "fsdp")
     device: str = "cuda"  # "cpu": compare tensor bytes only (no CUDA context, NCCL or allocator rounding)
     host_memory_gib: float | None = None
+    nvme_path: str | None = None  # the NVMe mount for ZeRO-Infinity plans
     top: int = 3
     base: Plan | None = None  # carries schedule / data into the result
 
@@ -223,7 +224,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
              f"({request.margin:.0%} margin{'' if request.device == 'cuda' else ', tensor bytes only: CPU run'})"]
     micro_options = divisors(per_rank)
     ac_options = AC_OPTIONS if request.model.has_shape else ("none",)
-    all_families = [f for f in families(request.gpus_per_node, request.nodes, request.model.hidden_size)
+    all_families = [f for f in families(request.gpus_per_node, request.nodes, request.model.hidden_size, request.nvme_path)
                     if engine_of(f.strategy) in request.engines]
     if not all_families:
         raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search: use ddp, deepspeed or fsdp")
@@ -257,7 +258,8 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     if best is not None:
         warnings = validate_plan(best.plan)
         notes += [f"note: {w}" for w in warnings]
-        if best.plan.strategy.offload_optimizer or best.plan.strategy.offload_params:
+        offloads = best.plan.strategy.offload_optimizer or best.plan.strategy.offload_params
+        if offloads and request.host_memory_gib is None:
             notes.append(f"offload needs {fmt_bytes(search.host_bytes(best.plan))} of host RAM per node: "
                          "check with --host-memory-gib")
     alternatives = tuple(ranked[1:1 + request.top])
