@@ -163,7 +163,7 @@ def format_diagnosis(diagnosis: Diagnosis | None) -> str:
     live_total = sum(d.live.values())
     lines = [f"OUT OF MEMORY on rank {d.rank} in {d.phase} (step {d.step}): {fmt_bytes(live_total)} live"
              + (f" of {fmt_bytes(d.limit_bytes)}" if d.limit_bytes else ""),
-             f"  largest: {d.dominant} {fmt_bytes(d.dominant_bytes)}; grew most in {d.phase}: {d.growing}  ("
+             f"  largest: {d.dominant} {fmt_bytes(d.dominant_bytes)}; grew most in {d.phase}: {d.growing} ("
              + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in d.live.items() if v) + ")",
              f"  likely cause: {d.cause}"]
     if d.fixes:
