@@ -66,13 +66,20 @@ def main(argv: list[str] | None = None) -> int:
             raise ShardfitError(f"unrecognized arguments: {' '.join(unknown)} (see `shardfit {command} --help`)")
         return int(_module(command).run(args) or 0)
     except ShardfitError as exc:
-        print(f"shardfit: error: {exc}", file=sys.stderr)
+        # One line, whatever the message holds (a path with a newline or a carriage return in it).
+        print(f"shardfit: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("shardfit: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:  # the file system said no (permissions, a name too long, a full disk): one line
+        if os.environ.get("SHARDFIT_DEBUG"):
+            raise
+        where = f": {' '.join(str(exc.filename).split())[:200]}" if exc.filename else ""
+        print(f"shardfit: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 2
     except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
         if os.environ.get("SHARDFIT_DEBUG"):
             raise

@@ -32,16 +32,32 @@ def run(args) -> int:
         # NOTE: the instrumented step is the last warm-up step; on the first step optimizer states
         # are still being created lazily, so measuring it would not be a steady-state step.
         raise ShardfitError("--steps and --warmup must each be at least 2 (a spread of step times; a steady step to measure)")
+    if args.nproc is not None and args.nproc < 1:
+        raise ShardfitError(f"--nproc must be at least 1, got {args.nproc}")
+    if not args.timeout > 0:
+        raise ShardfitError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     nproc = args.nproc or _default_nproc()
     labels = [s.strip() for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",") if s.strip()]
     if len(set(labels)) != len(labels):
         raise ShardfitError(f"--strategies lists a strategy twice: {','.join(labels)}")
+    from shardfit.spec.plan import parse_strategy
+
+    for label in labels:
+        parse_strategy(label)  # an unknown strategy fails here, in one line, before any launch
+    try:
+        budgets = parse_budgets(args.budget_bytes, labels)
+    except (OverflowError, ValueError):  # 1e400 / nan bytes
+        raise ShardfitError(f"--budget-bytes '{args.budget_bytes}': give a finite number of bytes (2e9) "
+                            "or strategy=bytes") from None
+    bad = [f"{k}={v}" for k, v in budgets.items() if v <= 0]
+    if bad:
+        raise ShardfitError(f"--budget-bytes must be positive: {bad[0]}")
     plan = load_bench_plan(args.plan, nproc)
     out = Path(args.out)
     print(f"shardfit bench: {plan.model.name}, {nproc} ranks, {len(labels)} strategies, "
           f"{args.warmup}+{args.steps} steps each -> {out}", flush=True)
     report = bench(plan, labels, out=out, nproc=nproc, warmup=args.warmup, steps=args.steps,
-                   budgets=parse_budgets(args.budget_bytes, labels), timeout=args.timeout,
+                   budgets=budgets, timeout=args.timeout,
                    checkpoint=not args.no_checkpoint, keep_checkpoints=args.keep_checkpoints, progress=_progress)
     files = report_mod.write_all(report, out)
     print()

@@ -53,7 +53,14 @@ def run(args) -> int:
         nodes, per_node = split_gpus(args.gpus, args.nodes)
     ctx = Context(model=model, gpu=gpu, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                   global_batch=args.global_batch)
-    report = diagnose(args.configs, ctx)
+    try:
+        report = diagnose(args.configs, ctx)
+    except (AttributeError, TypeError, ValueError, OverflowError) as exc:
+        # NOTE: each reader expects its tool's schema; a value of the wrong type or size (a number where
+        # a section belongs, 1e400 as a bucket) is the file's mistake: one line, not a traceback.
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ShardfitError(f"{', '.join(args.configs)}: a value has the wrong type or size for this kind of config "
+                            f"({detail}): check it against the tool's documented schema") from None
     if args.json:
         print(json.dumps({"files": [{"path": p, "kind": k} for p, k in report.files],
                           "findings": [{"rule": f.rule, "severity": f.severity, "message": f.message, "fix": f.fix,

@@ -24,6 +24,9 @@ def run(args) -> int:
     from shardfit.emit import EmitOptions, emit, write_files
     from shardfit.spec.planfile import load_plan
 
+    if not 1 <= args.master_port <= 65535:
+        from shardfit.errors import ShardfitError
+        raise ShardfitError(f"--master-port must be between 1 and 65535, got {args.master_port}")
     plan = load_plan(args.plan)
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
     options = EmitOptions(plan_path=args.plan, entry=args.entry, hosts=hosts, master_addr=args.master_addr,

@@ -142,6 +142,8 @@ def strategies_for(args, plan):
     if args.strategy:
         names = [n.strip() for item in args.strategy for n in item.split(",") if n.strip()]
         explicit = True
+        if not names:
+            raise ShardfitError("--strategy is empty: give one or more of ddp, fsdp, fsdp2, zero1, zero2, zero3 (comma-separated)")
     elif args.model is not None and _is_plan_file(args.model):
         strategy = _with_offload(base, args.offload, args.nvme_path)
         if args.nvme_path:

@@ -119,8 +119,19 @@ def run(args) -> int:
 
     if args.nproc < 1:
         raise ShardfitError("--nproc must be at least 1")
-    if args.budget is not None and args.budget <= 0:
+    import math
+    from pathlib import Path
+
+    if args.budget is not None and (not math.isfinite(args.budget) or args.budget <= 0):
         raise ShardfitError(f"--budget must be a positive number of bytes, got {args.budget:g}")
+    if args.steps < 1:
+        raise ShardfitError(f"--steps must be at least 1, got {args.steps}")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise ShardfitError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.bucket is not None and (not math.isfinite(args.bucket) or args.bucket < 0):
+        raise ShardfitError(f"--bucket must be a finite number of elements >= 0, got {args.bucket:g}")
+    if args.chart and not Path(args.chart).resolve().parent.is_dir():
+        raise ShardfitError(f"--chart {args.chart}: folder {Path(args.chart).parent} does not exist")
     if args.script:
         # After `--` argparse hands every word to the positionals: the first lands in `plan`.
         args.script_args = ([args.plan] if args.plan else []) + list(args.script_args)

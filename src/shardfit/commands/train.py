@@ -5,6 +5,7 @@ nodes with --nnodes/--node-rank/--rdzv-endpoint), so one command works on a lapt
 """
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -32,10 +33,21 @@ def add_arguments(parser) -> None:
     group.add_argument("--nan-policy", choices=("stop", "skip"), dest="nan_policy")
     run = parser.add_argument_group("run")
     run.add_argument("--out", default="shardfit-run", help="output folder: metrics.jsonl, checkpoints/ (default: shardfit-run)")
-    run.add_argument("--resume", help="'latest', a run folder, or a checkpoint folder")
+    run.add_argument("--resume", help="'latest', 'latest-valid' (skip damaged checkpoints), 'auto' (latest-valid or a "
+                                      "fresh start), a run folder, or a checkpoint folder")
     run.add_argument("--export", help="write a Hugging Face model folder at the end")
     run.add_argument("--prompt", default=None, help="prompt of the sample generated at each evaluation")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    safety = parser.add_argument_group("reliability")
+    safety.add_argument("--autopilot", action="store_true",
+                        help="on out-of-memory, change the plan (micro-batch, checkpointing, sharding, offload) and retry")
+    safety.add_argument("--memory-budget", type=float, dest="memory_budget",
+                        help="bytes of tensors per rank; above it torch.OutOfMemoryError is raised (rehearse a GPU on CPU)")
+    safety.add_argument("--collective-timeout", type=float, dest="collective_timeout",
+                        help="seconds a step's collectives may wait for a silent rank before the job stops (default 600)")
+    safety.add_argument("--max-restarts", type=int, dest="max_restarts",
+                        help="torchrun restarts after a failure; each resumes from the newest intact checkpoint "
+                             "(default 0, 4 with --autopilot)")
     launch = parser.add_argument_group("launch")
     launch.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2)")
     launch.add_argument("--nnodes", type=int, default=1)
@@ -45,28 +57,58 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from shardfit.errors import ShardfitError
-    from shardfit.train.launch import build_plan, inside_launch, relaunch
+    from shardfit.train.launch import build_plan, inside_launch
 
     if args.nproc < 1 or args.nnodes < 1:
         raise ShardfitError("--nproc and --nnodes must be at least 1")
-    if not inside_launch():
-        build_plan(args)  # fail fast, in this process, on a bad plan or flag
-        return relaunch(_worker_argv(sys.argv[1:]), args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    from shardfit.train import supervise
 
-    import os
+    if not inside_launch():
+        supervise.check_run(build_plan(args), args, inside=False)  # fail fast, here, on a bad plan or flag
+        supervise.export_env(args)
+        restarts = args.max_restarts if args.max_restarts is not None else (4 if args.autopilot else 0)
+        return supervise.relaunch(_worker_argv(sys.argv[1:]), args, restarts)
+
     import warnings
 
     if not os.environ.get("SHARDFIT_DEBUG"):
         # Library deprecation notices (torch collectives called by DeepSpeed, transformers renames)
         # repeat on every rank and say nothing a user of `shardfit train` can act on.
         warnings.filterwarnings("ignore", category=FutureWarning)
+    from shardfit.train import autopilot
     from shardfit.train.loop import DEFAULT_PROMPT, RunOptions, train
 
+    supervise.export_env(args)
     plan = build_plan(args)
-    options = RunOptions(resume=args.resume, progress=not args.no_progress, prompt=args.prompt or DEFAULT_PROMPT,
+    supervise.check_run(plan, args, inside=True)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    resume = args.resume or ("auto" if restarted else None)
+    decisions = []
+    if resume:  # the run's recorded autopilot changes hold for every resume of it, autopilot on or not
+        plan, decisions = autopilot.apply_recorded(plan, args.out)
+        if decisions and os.environ.get("RANK", "0") == "0":
+            print(f"autopilot: training with {len(decisions)} recorded change(s): "
+                  + "; ".join(d["change"] for d in decisions), flush=True)
+    elif args.autopilot and os.environ.get("RANK", "0") == "0":
+        autopilot.forget(args.out)
+    options = RunOptions(resume=resume, progress=not args.no_progress, prompt=args.prompt or DEFAULT_PROMPT,
                          export=args.export)
+    import torch
+
     try:
-        train(plan, args.out, options)
+        with autopilot.memory_budget(plan):
+            train(plan, args.out, options)
+    except torch.OutOfMemoryError as exc:
+        rank = int(os.environ.get("RANK", "0"))
+        if not args.autopilot:
+            raise supervise.oom_error(exc, rank) from None
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
+        return autopilot.handle_oom(plan, args.out, exc, rank, len(decisions), device, step=supervise.next_step(args.out))
+    except RuntimeError as exc:
+        error = supervise.lost_peer(exc)
+        if error is None:
+            raise
+        raise error from None
     finally:
         import torch.distributed as dist
         if dist.is_initialized():
@@ -74,7 +116,7 @@ def run(args) -> int:
     return 0
 
 
-_LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint")
+_LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")
 
 
 def _worker_argv(argv: list[str]) -> list[str]:

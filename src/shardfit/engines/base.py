@@ -43,7 +43,10 @@ def init_distributed() -> DistContext:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        from shardfit.train.watchdog import process_group_kwargs
+
+        # --collective-timeout, and a fresh store namespace per torchrun restart
+        dist.init_process_group(backend=backend, **process_group_kwargs())
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
                        device=device, backend=backend)
 

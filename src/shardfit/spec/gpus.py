@@ -3,6 +3,7 @@ sparsity); memory is what `torch.cuda.get_device_properties(...).total_memory` r
 which is a little under the marketed size. Link figures are per GPU and per direction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shardfit.errors import ShardfitError
@@ -73,9 +74,13 @@ def get_gpu(name: str) -> GPU:
             key = key[: -len(suffix)]
             break
     try:
-        return custom_gpu(float(key))
+        size = float(key)
     except ValueError:
-        pass
+        size = None
+    if size is not None:
+        if not math.isfinite(size):
+            raise ShardfitError(f"custom GPU memory must be a finite number of GiB, got {name}")
+        return custom_gpu(size)
     known = ", ".join(gpu.name for gpu in _CATALOG)
     raise ShardfitError(f"unknown GPU '{name}': use one of {known}, or a custom size such as 'custom:24' (GiB)")
 

@@ -1,6 +1,7 @@
 """ModelSpec: the shape of a model, as much as memory and FLOP estimates need. No torch here."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from shardfit.errors import ShardfitError
@@ -56,6 +57,18 @@ class ModelSpec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ShardfitError(f"unknown model field(s) {', '.join(unknown)}: known fields are {', '.join(sorted(known))}")
+        kinds = {"int": int, "float": (int, float), "bool": bool, "str": str}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            value, kind = data[f.name], str(f.type)
+            if kind not in kinds:
+                continue
+            bad = (not isinstance(value, kinds[kind]) or (kind != "bool" and isinstance(value, bool))
+                   or (kind in ("int", "float") and not (math.isfinite(value) and value >= 0)))
+            if bad:
+                what = {"int": "a whole number >= 0", "float": "a number >= 0", "bool": "true or false", "str": "text"}[kind]
+                raise ShardfitError(f"model field '{f.name}' must be {what}, got {value!r}")
         try:
             return cls(**data)
         except TypeError as exc:
@@ -64,8 +77,10 @@ class ModelSpec:
 
 def params_only_spec(n_params: float, largest_layer: float | None = None) -> ModelSpec:
     """A states-only model (`shardfit plan --params 7.5e9`): no activations, no shapes."""
-    if not n_params or n_params <= 0:
+    if not n_params or not math.isfinite(n_params) or n_params <= 0:
         raise ShardfitError(f"--params must be a positive number of parameters, got {n_params}")
+    if largest_layer is not None and not math.isfinite(largest_layer):
+        raise ShardfitError(f"--largest-layer must be a finite number of parameters, got {largest_layer}")
     count = int(n_params)
     largest = int(largest_layer) if largest_layer else 0
     if largest < 0 or largest > count:

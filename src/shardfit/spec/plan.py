@@ -6,6 +6,7 @@ A Plan is plain data: it round-trips through YAML/JSON (`to_dict` / `plan_from_d
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from shardfit.errors import ShardfitError
@@ -254,6 +255,8 @@ def _coerce(spec: dataclasses.Field, value, where: str):
                 value = float(value)
             except (TypeError, ValueError):
                 raise ShardfitError(f"'{where}' must be a number, got {value!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ShardfitError(f"'{where}' must be a finite number, got {value!r}")
         if head == "int":
             if value != int(value):
                 raise ShardfitError(f"'{where}' must be a whole number, got {value!r}")
@@ -287,6 +290,10 @@ def plan_from_dict(data: dict, resolve_model=None) -> Plan:
     else:
         raise ShardfitError("'model' must be a preset name, a config path, or a mapping of model fields")
     training_data = data.get("training")
+    if isinstance(training_data, dict) and training_data.get("lora") is not None and not isinstance(
+            training_data["lora"], (dict, LoRA)):
+        raise ShardfitError(f"'training.lora' must be a mapping (rank, alpha, target_modules, ...), "
+                            f"got {training_data['lora']!r}")
     if isinstance(training_data, dict) and isinstance(training_data.get("lora"), dict):
         training_data = {**training_data, "lora": _build(LoRA, training_data["lora"], "training.lora")}
     plan = Plan(

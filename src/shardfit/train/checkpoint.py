@@ -20,12 +20,19 @@ import torch.distributed as dist
 
 from shardfit.data import Position
 from shardfit.errors import ShardfitError
-
-MANIFEST = "manifest.json"
+from shardfit.train import faults
+from shardfit.train import manifest as integrity
+from shardfit.train.manifest import MANIFEST
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG as tensors and plain lists, so torch.load(weights_only=True) reads it back: numpy's
+    state is an ndarray inside a tuple, which the safe unpickler refuses."""
+    version, keys, gauss = random.getstate()
+    name, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": [version, list(keys), gauss],
+             "numpy": {"name": name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -33,10 +40,24 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def write_manifest(folder: Path, data: dict) -> dict:
+    """Add the size and sha256 of every file and write the manifest last, atomically. Collective
+    under a process group (every rank hashes its share): call it on every rank."""
+    folder = Path(folder)
+    data = {**data, "files": integrity.file_table(folder)}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        tmp = folder / f".{MANIFEST}.tmp"
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, folder / MANIFEST)
+    return data
 
 
 def plan_yaml(plan) -> str:
@@ -67,6 +88,7 @@ def save_checkpoint(engine, root: Path, step: int, position: Position, keep: int
     dist.barrier()
     engine.save(tmp)
     torch.save(rng_state(), tmp / "rng" / f"rank-{ctx.rank}.pt")
+    faults.hit("save", step, ctx.rank)
     if ctx.is_main:
         torch.save({"step": step, "position": position.to_dict(), "engine": engine.extra_state()}, tmp / "trainer.pt")
         (tmp / "plan.yaml").write_text(plan_yaml(engine.plan))
@@ -74,12 +96,12 @@ def save_checkpoint(engine, root: Path, step: int, position: Position, keep: int
         if config is not None:
             config.to_json_file(str(tmp / "config.json"))
     dist.barrier()
+    manifest = {"step": step, "engine": engine.kind,
+                "format": "deepspeed" if engine.kind.startswith("zero") else "dcp",
+                "world_size": ctx.world_size, "position": position.to_dict(),
+                "lora": engine.plan.training.lora is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_manifest(tmp, manifest)  # every rank hashes its share; the manifest is the last file written
     if ctx.is_main:
-        manifest = {"step": step, "engine": engine.kind,
-                    "format": "deepspeed" if engine.kind.startswith("zero") else "dcp",
-                    "world_size": ctx.world_size, "position": position.to_dict(),
-                    "lora": engine.plan.training.lora is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -101,8 +123,18 @@ def prune(root: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def resolve_resume(ref: str, out_dir: Path) -> Path:
-    """`latest` (newest complete checkpoint under OUT/checkpoints), a run folder, or a step folder."""
+def resolve_resume(ref: str, out_dir: Path, log=None, verify: bool = True) -> Path | None:
+    """`latest` (newest complete checkpoint under OUT/checkpoints), `latest-valid` (the newest that
+    passes its checksums, skipping damaged ones), `auto` (latest-valid, or None for a fresh start:
+    what a restarted job uses), a run folder, or a step folder. verify=False only looks for a
+    manifest (to read a plan; loading verifies anyway)."""
+    if ref in ("latest-valid", "auto"):
+        root = Path(out_dir) / "checkpoints"
+        complete = list_checkpoints(root)
+        found = integrity.latest_valid(root, log=log) if verify else (complete[-1] if complete else None)
+        if found is None and ref == "latest-valid":
+            raise ShardfitError(f"--resume latest-valid: no intact checkpoint under {root}")
+        return found
     if ref == "latest":
         found = list_checkpoints(Path(out_dir) / "checkpoints")
         if not found:
@@ -118,7 +150,15 @@ def resolve_resume(ref: str, out_dir: Path) -> Path:
 
 
 def read_manifest(path: Path) -> dict:
-    return json.loads((Path(path) / MANIFEST).read_text())
+    """The manifest, after checking every file against its size and sha256 (one line naming the first
+    bad file otherwise). Collective under a process group: call it on every rank."""
+    manifest = integrity.read_manifest(path)
+    if "files" in manifest:  # NOTE: manifests written before checksums existed are read as they are
+        integrity.verify(path, manifest)
+    for key in ("step", "format", "engine"):
+        if key not in manifest:
+            raise integrity.CorruptCheckpoint(f"{Path(path) / MANIFEST} has no '{key}': not a shardfit checkpoint")
+    return manifest
 
 
 def load_checkpoint(engine, path: Path) -> tuple[int, Position]:
@@ -133,10 +173,10 @@ def load_checkpoint(engine, path: Path) -> tuple[int, Position]:
         raise ShardfitError(f"DeepSpeed checkpoint {path} was written by {manifest['world_size']} ranks: resume on "
                             f"{manifest['world_size']}, or convert it to DCP (`shardfit convert`) to change the world size")
     engine.load(path)
-    trainer = torch.load(Path(path) / "trainer.pt", weights_only=False)
+    trainer = torch.load(Path(path) / "trainer.pt", weights_only=True)
     engine.load_extra_state(trainer["engine"])
     rng_file = Path(path) / "rng" / f"rank-{ctx.rank}.pt"
     if not rng_file.is_file():  # another world size: ranks beyond the old ones start from rank 0's state
         rng_file = Path(path) / "rng" / "rank-0.pt"
-    set_rng_state(torch.load(rng_file, weights_only=False))
+    set_rng_state(torch.load(rng_file, weights_only=True))
     return int(trainer["step"]), Position(**trainer["position"])

@@ -73,7 +73,9 @@ def build_plan(args):
         # Resuming without a plan file continues the checkpoint's own plan (flags still override it).
         from shardfit.train.checkpoint import resolve_resume
 
-        data = read_plan_dict(str(resolve_resume(args.resume, Path(args.out)) / "plan.yaml"))
+        found = resolve_resume(args.resume, Path(args.out), verify=False)
+        if found is not None:  # `--resume auto` with no checkpoint yet: a fresh start
+            data = read_plan_dict(str(found / "plan.yaml"))
     for section in ("strategy", "training", "schedule", "data", "cluster"):
         data[section] = dict(data.get(section) or {})
     if args.model:

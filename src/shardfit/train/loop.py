@@ -22,6 +22,8 @@ from shardfit.data import DistributedBatches, collate, load_data
 from shardfit.engines.base import DistContext, init_distributed
 from shardfit.errors import ShardfitError
 from shardfit.train import checkpoint as ckpt
+from shardfit.train import faults
+from shardfit.train.watchdog import Watchdog
 from shardfit.train.generate import engine_generate
 
 DEFAULT_PROMPT = "In the morning, the baker"
@@ -87,8 +89,8 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
     seed_everything(s.seed)
 
     start = 0
-    if options.resume:
-        path = ckpt.resolve_resume(options.resume, out)
+    path = ckpt.resolve_resume(options.resume, out, log=lambda text: _say(ctx, options, text)) if options.resume else None
+    if path is not None:  # None: `--resume auto` found no checkpoint, a fresh start
         start, position = ckpt.load_checkpoint(engine, path)
         batches = DistributedBatches(lengths, t.micro_batch, ctx.rank, ctx.world_size, s.seed, position=position)
         _say(ctx, options, f"resumed from {path} at step {start}")
@@ -100,16 +102,21 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
         from tqdm import tqdm
         bar = tqdm(total=s.steps, initial=start, desc=f"train {engine.kind}", unit="step", leave=False)
     window_tokens, window_start = 0, time.perf_counter()
+    dog = Watchdog.for_context(ctx)
     for step in range(start, s.steps):
         step_start = time.perf_counter()
         local = torch.zeros(2, dtype=torch.float64)
         for micro in range(t.grad_accum):
             batch = collate([data.train[i] for i in batches.next()], data.pad_id)
-            loss = engine.forward_backward(batch, micro == t.grad_accum - 1)
+            faults.hit("micro", step + 1, ctx.rank)
+            with dog.watch(step + 1, f"forward/backward {micro + 1}/{t.grad_accum} ({_collectives(engine.kind)})"):
+                loss = engine.forward_backward(batch, micro == t.grad_accum - 1)
             local[0] += loss.double().cpu()
             local[1] += float(batch["attention_mask"].sum())
+        faults.hit("step", step + 1, ctx.rank)
         reduced = local.to(ctx.device)
-        dist.all_reduce(reduced)  # SUM: gloo has no AVG
+        with dog.watch(step + 1, "all_reduce(loss)"):
+            dist.all_reduce(reduced)  # SUM: gloo has no AVG
         step_loss = float(reduced[0]) / (ctx.world_size * t.grad_accum)
         tokens = int(reduced[1])
         if not math.isfinite(step_loss):
@@ -119,7 +126,8 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
             engine.zero_grad()
             record = {"step": step + 1, "loss": step_loss, "skipped": True}
         else:
-            grad_norm, stepped = engine.step()
+            with dog.watch(step + 1, "optimizer step (grad-norm all_reduce)"):
+                grad_norm, stepped = engine.step()
             window_tokens += tokens
             record = {"step": step + 1, "loss": step_loss, "grad_norm": grad_norm,
                       "lr": _lr(engine), "tokens": tokens, "skipped": not stepped}
@@ -132,17 +140,20 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
             window_tokens, window_start = 0, time.perf_counter()
             _say(ctx, options, _log_line(record, s.steps), bar)
         if s.eval_every and (step + 1) % s.eval_every == 0:
-            record.update(evaluate(engine, data, tokenizer, options))
+            with dog.watch(step + 1, "evaluation (all_reduce, generation)", scale=3):
+                record.update(evaluate(engine, data, tokenizer, options))
             _say(ctx, options, f"eval step {step + 1}: val_loss {record['val_loss']:.4f} | "
                                f"sample {options.prompt!r} -> {record['sample']!r}", bar)
         if ctx.is_main:
             with metrics_file.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
         if s.save_every and ((step + 1) % s.save_every == 0 or step + 1 == s.steps):
-            path = ckpt.save_checkpoint(engine, out / "checkpoints", step + 1, batches.position, s.keep_checkpoints)
+            with dog.watch(step + 1, "checkpoint save (barrier, checksums)", scale=6):
+                path = ckpt.save_checkpoint(engine, out / "checkpoints", step + 1, batches.position, s.keep_checkpoints)
             _say(ctx, options, f"saved {path}", bar)
         if bar is not None:
             bar.update(1)
+    dog.close()
     if bar is not None:
         bar.close()
     if options.export:
@@ -153,6 +164,11 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
         _say(ctx, options, f"exported {options.export}")
     train.last_engine = engine  # for tests and benchmarks that inspect the final state
     return records
+
+
+def _collectives(kind: str) -> str:
+    return {"ddp": "gradient all_reduce", "fsdp": "all_gather/reduce_scatter",
+            "fsdp2": "all_gather/reduce_scatter"}.get(kind, "DeepSpeed all_gather/reduce_scatter")
 
 
 def evaluate(engine, data, tokenizer, options: RunOptions) -> dict:

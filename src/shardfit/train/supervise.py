@@ -74,9 +74,9 @@ def relaunch(worker_argv: list[str], args, restarts: int) -> int:
     command = torchrun_command(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
     command = [c for c in command if not c.startswith("--max-restarts")]
     command.insert(3, f"--max-restarts={restarts}")
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/shardfit/torch_extensions"))
+    from shardfit.runtime_env import launch_env
+
+    env = launch_env()
     if os.environ.get("SHARDFIT_DEBUG"):
         return subprocess.call(command, env=env)
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
