@@ -15,4 +15,5 @@ set -x
 $sf plan llama-3.1-8b --gpu H100-80GB --gpus 8 --seq 4096 --micro-batch 1
 $sf fit llama-3.1-70b --gpu H100-80GB --gpus 16 --nodes 2 --seq 4096 --global-batch 512 -o "$out/plan.yaml"
 $sf emit "$out/plan.yaml" --format deepspeed -o "$out/ds_config.json"
+rm -rf "$out/train"  # the quickstart's own previous run: train refuses to write over a run
 $sf train --out "$out/train"

@@ -98,3 +98,14 @@ def test_bad_flags_fail_fast_with_one_line():
     assert result.returncode == 2 and "does not exist" in result.stderr
     result = shardfit("export", "/nonexistent", "--out", "/tmp/x", check=False)
     assert result.returncode == 2 and "not a checkpoint folder" in result.stderr
+
+
+def test_a_second_run_never_writes_over_the_first(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-10").mkdir(parents=True)
+    (out / "checkpoints" / "step-10" / "manifest.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = shardfit("train", "--out", str(out), "--steps", "2", check=False)
+    assert result.returncode == 2 and "--resume latest" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -8,7 +8,6 @@ scheduler, step, data position, RNG states, Plan and config carry over unchanged
 """
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,7 @@ def deepspeed_to_dcp(checkpoint: Path, out: Path) -> Path:
     from shardfit.engines.deepspeed import TAG
     from shardfit.spec.models import load_model_spec
     from shardfit.spec.plan import plan_from_dict
-    from shardfit.train.checkpoint import MANIFEST, read_manifest
+    from shardfit.train.checkpoint import read_manifest, write_manifest
     from shardfit.train.loop import build_model
 
     checkpoint, out = Path(checkpoint), Path(out)
@@ -51,7 +50,7 @@ def deepspeed_to_dcp(checkpoint: Path, out: Path) -> Path:
     plan = plan_from_dict(yaml.safe_load((checkpoint / "plan.yaml").read_text()), resolve_model=load_model_spec)
     if plan.training.optimizer != "adamw":
         raise ShardfitError(f"only AdamW state converts (this run used {plan.training.optimizer})")
-    trainer = torch.load(checkpoint / "trainer.pt", weights_only=False)
+    trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
     ds_folder = checkpoint / "deepspeed" / TAG
     with tempfile.TemporaryDirectory() as tmp:
         universal = Path(tmp) / "universal"
@@ -98,8 +97,11 @@ def deepspeed_to_dcp(checkpoint: Path, out: Path) -> Path:
     for name in ("plan.yaml", "config.json"):
         if (checkpoint / name).is_file():
             shutil.copy(checkpoint / name, staging / name)
-    manifest = {**manifest, "format": "dcp", "engine": f"{manifest['engine']} (converted)", "converted_from": str(checkpoint)}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    # The source's file table describes the DeepSpeed files: the new manifest lists (and checksums)
+    # the converted folder's own files, written last like every checkpoint's.
+    manifest = {k: v for k, v in manifest.items() if k != "files"}
+    write_manifest(staging, {**manifest, "format": "dcp", "engine": f"{manifest['engine']} (converted)",
+                             "converted_from": str(checkpoint)})
     if out.exists():
         shutil.rmtree(out)
     staging.rename(out)

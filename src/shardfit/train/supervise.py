@@ -41,6 +41,11 @@ def check_run(plan, args, inside: bool) -> None:
             raise ShardfitError(f"{name} '{value}' does not exist: give a local file or folder")
     from shardfit.train.manifest import MANIFEST, step_folders
 
+    out = Path(args.out)
+    if not inside and not args.resume and (step_folders(out / "checkpoints") or (out / "metrics.jsonl").exists()):
+        # NOTE: a second run into the same folder would overwrite its checkpoints and mix its metrics.
+        raise ShardfitError(f"--out {args.out} already holds a run: continue it with --resume latest, or choose "
+                            "another --out (nothing was changed)")
     if args.resume in ("latest", "latest-valid") and not inside and not step_folders(Path(args.out) / "checkpoints"):
         raise ShardfitError(f"--resume {args.resume}: no checkpoint under {Path(args.out) / 'checkpoints'} "
                             "(use --resume auto to start fresh when there is none)")
