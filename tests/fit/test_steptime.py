@@ -47,7 +47,7 @@ def test_communication_volume_per_strategy():
     grads = weights = M.n_params * 2
     assert comm_volume(plan("ddp"))["intra"][0] == pytest.approx(2 * grads * ring)
     z2 = comm_volume(plan("zero2"))
-    # DeepSpeed 0.19 all-reduces ZeRO-1/2 gradient buckets: 3P, as much as ZeRO-3 (docs/bench.md measured it).
+    # DeepSpeed 0.19 all-reduces ZeRO-1/2 gradient buckets: 3P, as much as ZeRO-3 (shardfit bench measured it).
     assert z2["intra"][0] + z2["intra-tail"][0] == pytest.approx((2 * grads + weights) * ring)
     assert comm_volume(plan("zero3"))["intra"][0] == pytest.approx(3 * weights * ring)  # 1.5x the paper's ZeRO-2
     assert comm_volume(plan("fsdp:shard_grad_op"))["intra"][0] == pytest.approx(2 * weights * ring)

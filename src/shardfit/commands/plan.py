@@ -42,7 +42,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--optimizer-impl", default="auto",
                         help="auto (CUDA: foreach for torch, fused for DeepSpeed; cpu: single-tensor) | foreach | single | fused")
     parser.add_argument("--checkpoint", default="sharded", help="checkpoint save: sharded (default) | full (rank-0 consolidation)")
-    parser.add_argument("--json", action="store_true", help="print the stable JSON document (docs/plan.md)")
+    parser.add_argument("--json", action="store_true", help="print the stable JSON document (schema in the README)")
     parser.add_argument("--explain", action="store_true", help="print every term's formula, inputs and source")
 
 

@@ -162,7 +162,7 @@ def comm_volume(plan: Plan) -> dict[str, tuple[float, int, str | None]]:
         # ZeRO-1 reduces at the boundary; ZeRO-2 every micro-batch (it can't keep full grads). DeepSpeed
         # 0.19 reduces each bucket with an all-reduce (average_tensor -> allreduce_and_scatter, since
         # use_multi_rank_bucket_allreduce defaults on), not the paper's reduce-scatter: 2x the gradient
-        # bytes, so ZeRO-1/2 move 3P per step, not 2P (measured 1.5x in docs/bench.md).
+        # bytes, so ZeRO-1/2 move 3P per step, not 2P (measured 1.5x by `shardfit bench`; README, bench section).
         reductions = 1 if s.kind == "zero1" else accum
         volume = 2 * grads * ring * reductions
         window = WINDOW_BOUNDARY if reductions == 1 and accum > 1 else WINDOW_STEP

@@ -146,7 +146,7 @@ def resolve_resume(ref: str, out_dir: Path, log=None, verify: bool = True) -> Pa
     found = list_checkpoints(path / "checkpoints") if path.is_dir() else []
     if found:
         return found[-1]
-    raise ShardfitError(f"--resume {ref}: not a checkpoint folder (no {MANIFEST}) nor a run folder with checkpoints")
+    raise ShardfitError(f"'{ref}' is not a checkpoint folder (no {MANIFEST}) nor a run folder with checkpoints")
 
 
 def read_manifest(path: Path) -> dict:
