@@ -202,6 +202,14 @@ def uses_scaler(plan: Plan) -> bool:
     return plan.training.precision == "fp16" and plan.training.loss_scaling is not False
 
 
+def sharded_scaler(plan: Plan, ctx: DistContext):
+    """fp16 loss scaler for FSDP / FSDP2: it must see the inf/nan of every rank's gradient shard."""
+    if not uses_scaler(plan):
+        return None
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    return ShardedGradScaler(ctx.device.type)
+
+
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 

@@ -50,10 +50,7 @@ def setup(plan, model, ctx) -> base.Engine:
     )
     optimizer = base.build_optimizer(plan, base.trainable_params(wrapped))
     scheduler = base.build_scheduler(plan, optimizer)
-    scaler = None
-    if base.uses_scaler(plan):
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        scaler = ShardedGradScaler(ctx.device.type)
+    scaler = base.sharded_scaler(plan, ctx)
 
     @contextmanager
     def sync(enabled: bool):

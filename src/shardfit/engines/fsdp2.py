@@ -33,10 +33,7 @@ def setup(plan, model, ctx) -> base.Engine:
     params = base.trainable_params(model)
     optimizer = base.build_optimizer(plan, params)
     scheduler = base.build_scheduler(plan, optimizer)
-    scaler = None
-    if base.uses_scaler(plan):
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        scaler = ShardedGradScaler(ctx.device.type)
+    scaler = base.sharded_scaler(plan, ctx)
 
     @contextmanager
     def sync(enabled: bool):
