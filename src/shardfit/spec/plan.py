@@ -6,10 +6,10 @@ A Plan is plain data: it round-trips through YAML/JSON (`to_dict` / `plan_from_d
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field, fields, replace
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.fields import build_section
 from shardfit.spec.model_spec import ModelSpec
 
 STRATEGY_KINDS = ("ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
@@ -211,64 +211,6 @@ def parse_activation_checkpointing(value: str) -> int:
     return every
 
 
-def _build(cls, data, where: str):
-    if data is None:
-        return cls()
-    if isinstance(data, cls):
-        return data
-    if not isinstance(data, dict):
-        raise ShardfitError(f"'{where}' must be a mapping, got {type(data).__name__}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ShardfitError(f"unknown field '{where}.{unknown[0]}': known fields are {', '.join(known)}")
-    values = dict(data)
-    for name, value in data.items():
-        values[name] = _coerce(known[name], value, f"{where}.{name}")
-    return cls(**values)
-
-
-_NUMBER_TYPES = {"int": int, "float": float}
-
-
-def _coerce(spec: dataclasses.Field, value, where: str):
-    """Check scalar types from the annotation text; lists become tuples so Plans stay hashable."""
-    annotation = str(spec.type)
-    if value is None:
-        if "None" in annotation:
-            return None
-        raise ShardfitError(f"'{where}' must not be empty")
-    if annotation.startswith("tuple"):
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise ShardfitError(f"'{where}' must be a list of names")
-        return tuple(value)
-    head = annotation.split("|")[0].strip()
-    if head == "bool":
-        if not isinstance(value, bool):
-            raise ShardfitError(f"'{where}' must be true or false, got {value!r}")
-        return value
-    if head in _NUMBER_TYPES:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise ShardfitError(f"'{where}' must be a number, got {value!r}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ShardfitError(f"'{where}' must be a finite number, got {value!r}")
-        if head == "int":
-            if value != int(value):
-                raise ShardfitError(f"'{where}' must be a whole number, got {value!r}")
-            return int(value)
-        return float(value)
-    if head == "str":
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ShardfitError(f"'{where}' must be text, got {value!r}")
-        return str(value)
-    return value
-
-
 def plan_from_dict(data: dict, resolve_model=None) -> Plan:
     """Build and validate a Plan. `model` may be a mapping of ModelSpec fields or a reference
     (preset name, config path, factory) that `resolve_model` turns into a ModelSpec."""
@@ -295,14 +237,14 @@ def plan_from_dict(data: dict, resolve_model=None) -> Plan:
         raise ShardfitError(f"'training.lora' must be a mapping (rank, alpha, target_modules, ...), "
                             f"got {training_data['lora']!r}")
     if isinstance(training_data, dict) and isinstance(training_data.get("lora"), dict):
-        training_data = {**training_data, "lora": _build(LoRA, training_data["lora"], "training.lora")}
+        training_data = {**training_data, "lora": build_section(LoRA, training_data["lora"], "training.lora")}
     plan = Plan(
         model=spec,
-        strategy=_build(Strategy, data.get("strategy"), "strategy"),
-        training=_build(Training, training_data, "training"),
-        cluster=_build(Cluster, data.get("cluster"), "cluster"),
-        schedule=_build(Schedule, data.get("schedule"), "schedule"),
-        data=_build(Data, data.get("data"), "data"),
+        strategy=build_section(Strategy, data.get("strategy"), "strategy"),
+        training=build_section(Training, training_data, "training"),
+        cluster=build_section(Cluster, data.get("cluster"), "cluster"),
+        schedule=build_section(Schedule, data.get("schedule"), "schedule"),
+        data=build_section(Data, data.get("data"), "data"),
     )
     validate_plan(plan)
     return plan
