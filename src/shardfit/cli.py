@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ShardfitError(f"unrecognized arguments: {' '.join(unknown)} (see `shardfit {command} --help`)")
         return int(_module(command).run(args) or 0)
     except ShardfitError as exc:
+        if exc.every_rank and os.environ.get("RANK", "0") != "0":
+            return 2  # rank 0 says it once
         # One line, whatever the message holds (a path with a newline or a carriage return in it).
         print(f"shardfit: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2

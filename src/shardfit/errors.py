@@ -2,7 +2,11 @@
 
 
 class ShardfitError(Exception):
-    """Bad input or an impossible request. The message names what is wrong and how to fix it."""
+    """Bad input or an impossible request. The message names what is wrong and how to fix it.
+    every_rank: every rank of a job raises this same error (it came from a collective decision), so
+    only rank 0 prints it."""
+
+    every_rank = False
 
 
 def require(condition: bool, message: str) -> None:

@@ -121,7 +121,7 @@ def test_flipped_byte_and_missing_manifest(reference, tmp_path):
     data = bytearray(rng.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, different content
     rng.write_bytes(bytes(data))
-    with pytest.raises(ShardfitError, match=r"rank-1\.pt is corrupted: its sha256 differs"):
+    with pytest.raises(ShardfitError, match=r"rank-1\.pt is corrupted: its xxh3_128 differs"):
         read_manifest(run / "checkpoints" / "step-6")
     (run / "checkpoints" / "step-4" / "manifest.json").unlink()  # a save that never finished
     assert resolve_resume("latest-valid", run) == run / "checkpoints" / "step-2"
@@ -150,3 +150,26 @@ def test_hung_rank_ends_within_timeout(tmp_path):
     waited = float(re.search(r"waited (\d+) s", line).group(1))
     assert timeout <= waited <= timeout + 5
     assert wall < 200, f"the job took {wall:.0f} s to end"
+
+
+@pytest.mark.parametrize("nproc", [2, 1])
+def test_resume_from_a_flipped_shard_stops_before_writing(reference, tmp_path, nproc):
+    """The size is right, so only the contents can tell: with 2 ranks on this 2-core machine they are
+    hashed before the load; with 1 rank in a thread during it, and the run stops after the first
+    forward/backward. Either way one line names the shard (printed once) and nothing new is written."""
+    run = _copy(reference, tmp_path)
+    shard = run / "checkpoints" / "step-6" / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    lines = len((run / "metrics.jsonl").read_text().splitlines())
+    result = launch.shardfit(*TRAIN, "--steps", "8", "--nproc", str(nproc), "--resume", "latest", "--out", str(run),
+                             timeout=240, check=False)
+    log = result.stdout + result.stderr
+    assert result.returncode != 0 and "Traceback" not in log, log[-3000:]
+    errors = [l for l in log.splitlines() if "is corrupted" in l]
+    assert len(errors) == 1 and f"{shard} is corrupted: its xxh3_128 differs from the manifest" in errors[0], log[-3000:]
+    assert "latest-valid" in errors[0] and ("resumed from" in log) == (nproc == 1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == lines

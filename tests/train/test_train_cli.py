@@ -61,6 +61,7 @@ def test_export_command_loads_in_transformers(default_run, tmp_path):
     with torch.no_grad():
         assert torch.equal(offline(input_ids=ids).logits, live(input_ids=ids).logits)
     assert (out / "hf" / "TOKENIZER.txt").is_file()
+    assert (tmp_path / "hf" / "TOKENIZER.txt").read_text() == (out / "hf" / "TOKENIZER.txt").read_text()
 
 
 def test_two_nodes_hybrid_shard_match_one_node(default_run, tmp_path):

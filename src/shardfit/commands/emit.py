@@ -1,18 +1,26 @@
-"""`shardfit emit PLAN.yaml --format FORMAT [-o PATH]`: the plan as a config the real tool accepts. No torch."""
+"""`shardfit emit PLAN.yaml --format FORMAT [-o PATH] [--force]`: the plan as a config the real tool
+accepts. No torch."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 (runnable script), lightning "
                "(strategy args), hf-trainer (TrainingArguments JSON), torchrun (launch script), deepspeed-launcher "
-               "(script + hostfile), slurm (sbatch script)")
+               "(two files: run_deepspeed.sh + hostfile), slurm (sbatch script)")
+OUTPUT_HELP = ("where to write (default: print to stdout). One-file formats: PATH is the file to write (replaced if it "
+               "exists); an existing folder, or a PATH ending in '/', gets the format's own file name inside it. "
+               "deepspeed-launcher writes two files, so PATH is always a folder (created if missing). Files emit names "
+               "itself inside a folder are never replaced unless --force. Each file written is printed on stderr.")
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("plan", help="plan YAML/JSON (e.g. from `shardfit fit ... -o plan.yaml`)")
     parser.add_argument("--format", "-f", required=True, dest="fmt", help=FORMAT_HELP)
-    parser.add_argument("-o", "--output", help="file (one-file formats) or folder; default: print to stdout")
+    parser.add_argument("-o", "--output", metavar="PATH", help=OUTPUT_HELP)
+    parser.add_argument("--force", action="store_true",
+                        help="replace files of the same name already in the -o folder (default: refuse, write nothing)")
     parser.add_argument("--entry", help="training entry point for launch formats (default: -m shardfit train PLAN)")
     parser.add_argument("--hosts", help="comma-separated host names for the DeepSpeed hostfile")
     parser.add_argument("--master-addr", default="$MASTER_ADDR", dest="master_addr")
@@ -33,8 +41,7 @@ def run(args) -> int:
                           master_port=args.master_port, time_limit=args.time)
     result = emit(plan, args.fmt, options)
     if args.output:
-        target = Path(args.output)
-        single = len(result.files) == 1 and not target.is_dir() and not args.output.endswith("/")
+        target, single = output_target(args.output, result.files, args.fmt, args.force)
         for path in write_files(result.files, target, single):
             print(f"wrote {path}", file=sys.stderr)
     elif len(result.files) == 1:
@@ -45,3 +52,25 @@ def run(args) -> int:
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def output_target(output: str, files: dict[str, str], fmt: str, force: bool) -> tuple[Path, bool]:
+    """Where `-o PATH` puts the files, checked before anything is written: (path, True) for the file
+    itself, (folder, False) for a folder that gets each file under its own name."""
+    from shardfit.errors import ShardfitError
+
+    target = Path(output)
+    if len(files) == 1 and not target.is_dir() and not output.endswith(("/", os.sep)):
+        if target.exists() and not target.is_file():
+            raise ShardfitError(f"-o {output} exists and is not a regular file: give a file or folder path, "
+                                "or omit -o to print to stdout")
+        return target, True
+    if target.exists() and not target.is_dir():
+        what = (f"--format {fmt} writes {len(files)} files ({', '.join(files)}), so -o names a folder"
+                if len(files) > 1 else "-o ends with '/', so it names a folder")
+        raise ShardfitError(f"{what}, but {output} is a file: give a folder path (created if missing)")
+    existing = [name for name in files if (target / name).exists()]
+    if existing and not force:
+        raise ShardfitError(f"{target} already holds {', '.join(existing)}: pass --force to replace "
+                            f"{'it' if len(existing) == 1 else 'them'}, or choose another -o (nothing was written)")
+    return target, False

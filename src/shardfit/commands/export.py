@@ -24,4 +24,35 @@ def run(args) -> int:
     files = export_checkpoint(source, Path(args.out), max_shard_bytes=int(args.max_shard_gb * 1024**3))
     total = sum(f.stat().st_size for f in files)
     print(f"exported {source} -> {args.out}: {len(files)} safetensors file(s), {total / 2**20:.1f} MiB")
+    tokenizer = recorded_tokenizer(source)  # after export_checkpoint, which checks the checkpoint's files first
+    if tokenizer is not None:
+        from shardfit.train.export import copy_tokenizer_note
+
+        copy_tokenizer_note(Path(args.out), tokenizer)  # what `shardfit train --export` writes next to the weights
     return 0
+
+
+def recorded_tokenizer(checkpoint) -> str | None:
+    """The tokenizer the checkpoint was trained with (its plan.yaml `data.tokenizer`): "bytes" for the
+    byte-level default, else the folder as training named it. None, after one warning line on stderr,
+    when that is unknown or the folder is gone (the weights are exported all the same)."""
+    import sys
+    from pathlib import Path
+
+    from shardfit.spec.planfile import read_plan_data
+
+    plan_file = Path(checkpoint) / "plan.yaml"
+    if not plan_file.is_file():
+        print(f"warning: {checkpoint} has no plan.yaml, so its tokenizer is unknown: no tokenizer files were "
+              "written next to the weights", file=sys.stderr)
+        return None
+    data = read_plan_data(plan_file).get("data")
+    name = data.get("tokenizer") if isinstance(data, dict) else None
+    if name in (None, "", "bytes", "byte"):  # what load_tokenizer reads as the byte-level tokenizer
+        return "bytes"
+    folder = Path(str(name)).expanduser()
+    if not folder.is_dir():
+        print(f"warning: tokenizer folder '{name}' recorded in {plan_file} no longer exists: the weights are "
+              "exported without tokenizer files; copy them into the output folder yourself", file=sys.stderr)
+        return None
+    return str(folder)

@@ -52,17 +52,9 @@ def build_plan_dict(args) -> dict:
         path = Path(args.plan)
         if not path.is_file():
             raise ShardfitError(f"plan file '{args.plan}' not found: give a YAML/JSON plan or use --model/--strategy")
-        text = path.read_text()
-        try:
-            import yaml
+        from shardfit.spec.planfile import read_plan_data
 
-            loaded = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-        except Exception as exc:  # noqa: BLE001 - YAML and JSON errors alike: one line
-            raise ShardfitError(f"plan file '{args.plan}' is not valid {path.suffix[1:] or 'YAML'}: "
-                                f"{str(exc).splitlines()[0]}") from None
-        if not isinstance(loaded, dict):
-            raise ShardfitError(f"plan file '{args.plan}' must be a mapping with a 'model' key")
-        data = loaded
+        data = read_plan_data(path)  # the one plan reader: one-line errors, duplicate keys refused
     training = dict(data.get("training") or {})
     strategy = data.get("strategy") or {}
     if args.model:

@@ -59,7 +59,9 @@ class Engine:
         `last` is true (the last micro-batch of an accumulation step).
     step() -> (grad_norm, stepped): unscale, clip, optimizer and scheduler step, zero grads.
     zero_grad(): drop accumulated gradients (NaN skip).
-    save(dir) / load(dir): sharded model + optimizer + scheduler (+ loss scaler) state.
+    save(dir) / load(dir): sharded model + optimizer + scheduler (+ loss scaler) state. save may
+        return {path: {"size", "xxh3_128"}} for the files this rank checksummed while writing them
+        (the manifest hashes the rest from disk).
     inference(): context for forward passes outside training (eval mode, no grad, params gathered
         as the engine needs); every rank must run the same forwards inside it.
     full_state() -> iterator of (name, tensor): the consolidated model, one tensor at a time; every

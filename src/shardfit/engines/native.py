@@ -50,12 +50,13 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     def zero_grad():
         optimizer.zero_grad(set_to_none=True)
 
-    def save(directory: Path):
-        import torch.distributed.checkpoint as dcp
+    def save(directory: Path) -> dict:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from shardfit.engines.dcp_io import save_with_checksums
+
         msd, osd = get_state_dict(model, optimizer, options=dcp_options)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(directory) / "dcp"))
+        return save_with_checksums({"model": msd, "optim": osd}, Path(directory) / "dcp")
 
     def load(directory: Path):
         import torch.distributed.checkpoint as dcp

@@ -48,11 +48,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def write_manifest(folder: Path, data: dict) -> dict:
-    """Add the size and sha256 of every file and write the manifest last, atomically. Collective
-    under a process group (every rank hashes its share): call it on every rank."""
+def write_manifest(folder: Path, data: dict, known: dict | None = None) -> dict:
+    """Add the size and XXH3-128 checksum of every file and write the manifest last, atomically. known: the
+    entries this rank computed while writing ({path: entry}, absolute or relative to folder); the
+    rest are hashed from disk. Collective under a process group (every rank hashes its share): call
+    it on every rank."""
     folder = Path(folder)
-    data = {**data, "files": integrity.file_table(folder)}
+    relative = {Path(os.path.relpath(path, folder)).as_posix(): entry for path, entry in (known or {}).items()}
+    data = {**data, "files": integrity.file_table(folder, relative)}
     if not dist.is_initialized() or dist.get_rank() == 0:
         tmp = folder / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps(data, indent=2))
@@ -86,7 +89,7 @@ def save_checkpoint(engine, root: Path, step: int, position: Position, keep: int
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / "rng").mkdir(parents=True)
     dist.barrier()
-    engine.save(tmp)
+    written = engine.save(tmp)  # checksums of the shards this rank wrote, taken while writing them
     torch.save(rng_state(), tmp / "rng" / f"rank-{ctx.rank}.pt")
     faults.hit("save", step, ctx.rank)
     if ctx.is_main:
@@ -100,7 +103,7 @@ def save_checkpoint(engine, root: Path, step: int, position: Position, keep: int
                 "format": "deepspeed" if engine.kind.startswith("zero") else "dcp",
                 "world_size": ctx.world_size, "position": position.to_dict(),
                 "lora": engine.plan.training.lora is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_manifest(tmp, manifest)  # every rank hashes its share; the manifest is the last file written
+    write_manifest(tmp, manifest, known=written)  # the manifest is the last file written
     if ctx.is_main:
         if final.exists():
             shutil.rmtree(final)
@@ -149,11 +152,12 @@ def resolve_resume(ref: str, out_dir: Path, log=None, verify: bool = True) -> Pa
     raise ShardfitError(f"'{ref}' is not a checkpoint folder (no {MANIFEST}) nor a run folder with checkpoints")
 
 
-def read_manifest(path: Path) -> dict:
-    """The manifest, after checking every file against its size and sha256 (one line naming the first
-    bad file otherwise). Collective under a process group: call it on every rank."""
+def read_manifest(path: Path, verify: bool = True) -> dict:
+    """The manifest, after checking every file against its size and checksum (one line naming the
+    first bad file otherwise; verify=False leaves that to the caller). Collective under a process
+    group: call it on every rank."""
     manifest = integrity.read_manifest(path)
-    if "files" in manifest:  # NOTE: manifests written before checksums existed are read as they are
+    if verify and "files" in manifest:  # NOTE: manifests written before checksums existed are read as they are
         integrity.verify(path, manifest)
     for key in ("step", "format", "engine"):
         if key not in manifest:
@@ -161,10 +165,28 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def load_checkpoint(engine, path: Path) -> tuple[int, Position]:
-    """Restore everything save_checkpoint wrote; returns (step, data position)."""
+def begin_checks(path: Path) -> integrity.Checks:
+    """Start verifying a checkpoint to resume from: the manifest, every file's presence and size now
+    (a partial or truncated checkpoint is refused before anything is loaded), the contents in a
+    background thread while the state loads. Call `.finish()` on every rank before writing anything."""
+    return integrity.Checks(path, read_manifest(path, verify=False))
+
+
+def load_checkpoint(engine, path: Path, checks: integrity.Checks | None = None) -> tuple[int, Position]:
+    """Restore everything save_checkpoint wrote; returns (step, data position). Without `checks` the
+    checkpoint is verified completely first; with them (begin_checks) the contents are still being
+    hashed when this returns."""
+    manifest = checks.manifest if checks is not None else read_manifest(path)
+    try:
+        return _load(engine, Path(path), manifest)
+    except Exception:
+        if checks is not None:  # a damaged file may be why the load failed: that is the error to give
+            checks.raise_local()
+        raise
+
+
+def _load(engine, path: Path, manifest: dict) -> tuple[int, Position]:
     ctx = engine.ctx
-    manifest = read_manifest(path)
     # DeepSpeed engines also read DCP (switching engines mid-run); the others read only DCP.
     if manifest["format"] == "deepspeed" and not engine.kind.startswith("zero"):
         raise ShardfitError(f"checkpoint {path} was written by DeepSpeed ({manifest['engine']}); {engine.kind} reads "
@@ -173,10 +195,10 @@ def load_checkpoint(engine, path: Path) -> tuple[int, Position]:
         raise ShardfitError(f"DeepSpeed checkpoint {path} was written by {manifest['world_size']} ranks: resume on "
                             f"{manifest['world_size']}, or convert it to DCP (`shardfit convert`) to change the world size")
     engine.load(path)
-    trainer = torch.load(Path(path) / "trainer.pt", weights_only=True)
+    trainer = torch.load(path / "trainer.pt", weights_only=True)
     engine.load_extra_state(trainer["engine"])
-    rng_file = Path(path) / "rng" / f"rank-{ctx.rank}.pt"
+    rng_file = path / "rng" / f"rank-{ctx.rank}.pt"
     if not rng_file.is_file():  # another world size: ranks beyond the old ones start from rank 0's state
-        rng_file = Path(path) / "rng" / "rank-0.pt"
+        rng_file = path / "rng" / "rank-0.pt"
     set_rng_state(torch.load(rng_file, weights_only=True))
     return int(trainer["step"]), Position(**trainer["position"])

@@ -47,20 +47,14 @@ def relaunch(argv: list[str], nproc: int, nnodes: int, node_rank: int, endpoint:
 
 
 def read_plan_dict(path: str | None) -> dict:
-    import yaml
-
     if path is None:
         return {k: dict(v) if isinstance(v, dict) else v for k, v in QUICK_DEFAULTS.items()}
-    file = Path(path)
-    if not file.is_file():
-        raise ShardfitError(f"plan file '{path}' does not exist: write one with `shardfit emit --plan` or omit it")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise ShardfitError(f"plan file '{path}' is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise ShardfitError(f"plan file '{path}' must be a mapping with a 'model' key")
-    return data
+    if not Path(path).is_file():
+        raise ShardfitError(f"plan file '{path}' does not exist: write one with `shardfit fit ... -o plan.yaml` "
+                            "or omit it")
+    from shardfit.spec.planfile import read_plan_data
+
+    return read_plan_data(path)  # the one plan reader: one-line errors, duplicate keys refused
 
 
 def build_plan(args):

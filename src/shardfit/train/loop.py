@@ -88,10 +88,13 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
     # Identical randomness on every rank (dropout masks differ only through data).
     seed_everything(s.seed)
 
-    start = 0
+    start, checks = 0, None
     path = ckpt.resolve_resume(options.resume, out, log=lambda text: _say(ctx, options, text)) if options.resume else None
     if path is not None:  # None: `--resume auto` found no checkpoint, a fresh start
-        start, position = ckpt.load_checkpoint(engine, path)
+        # The contents are hashed in the background while the state loads and the first
+        # forward/backward runs; they are confirmed (collective) before anything is written.
+        checks = ckpt.begin_checks(path)
+        start, position = ckpt.load_checkpoint(engine, path, checks=checks)
         batches = DistributedBatches(lengths, t.micro_batch, ctx.rank, ctx.world_size, s.seed, position=position)
         _say(ctx, options, f"resumed from {path} at step {start}")
 
@@ -113,6 +116,10 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
                 loss = engine.forward_backward(batch, micro == t.grad_accum - 1)
             local[0] += loss.double().cpu()
             local[1] += float(batch["attention_mask"].sum())
+            if checks is not None:
+                with dog.watch(step + 1, "resumed checkpoint's checksums (all_gather)", scale=6):
+                    checks.finish()
+                checks = None
         faults.hit("step", step + 1, ctx.rank)
         reduced = local.to(ctx.device)
         with dog.watch(step + 1, "all_reduce(loss)"):
@@ -153,6 +160,8 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
             _say(ctx, options, f"saved {path}", bar)
         if bar is not None:
             bar.update(1)
+    if checks is not None:  # resumed at the last step: nothing trained, but confirm what was loaded
+        checks.finish()
     dog.close()
     if bar is not None:
         bar.close()

@@ -1,22 +1,28 @@
-"""Checkpoint integrity: the size and sha256 of every file, recorded in the manifest (written last),
-checked before anything is loaded.
+"""Checkpoint integrity: the size and XXH3-128 checksum of every file, recorded in the manifest (written last),
+checked before the checkpoint is trusted.
 
 A checkpoint folder is trusted only when every file the manifest lists is present with the same
 size and checksum: a crash mid-save (no manifest), a truncated copy or a flipped byte gives one
 error naming the file, and `--resume latest-valid` steps back to the newest checkpoint that passes.
-Hashing is split over the ranks (file i goes to rank i mod world) so a large checkpoint is not read
-by rank 0 alone; without a process group one process does it all (export, tests).
+Checksums of DCP shards come from the save itself (shardfit.engines.dcp_io); other files are hashed
+from disk, split over the ranks (file i goes to rank i mod world). Without a process group one
+process does it all (export, tests).
+
+Two ways to verify: `verify` checks everything before returning (choosing a checkpoint, export,
+convert); `Checks` checks the listing and sizes at once and the contents while the state loads (in
+a background thread where the host has a spare core), and training confirms them (`Checks.finish`,
+collective) after its first forward/backward, before anything is written.
 """
 from __future__ import annotations
 
-import hashlib
 import json
+import threading
 from pathlib import Path
 
+from shardfit.checksums import algorithm_of, content_matches, file_entry
 from shardfit.errors import ShardfitError
 
 MANIFEST = "manifest.json"
-_CHUNK = 8 << 20
 # Folders this process verified, keyed by the manifest's identity: resume checks a checkpoint while
 # choosing it (latest-valid) and again while loading it; the second pass would hash everything twice.
 # Every rank takes the same decisions in the same order, so the collective calls stay matched.
@@ -25,14 +31,6 @@ _VERIFIED: set = set()
 
 class CorruptCheckpoint(ShardfitError):
     """A checkpoint file is missing, truncated or altered: the message names it."""
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checkpoint_files(folder: Path) -> list[str]:
@@ -65,9 +63,10 @@ def _gather(local, dist) -> list:
     return out
 
 
-def file_table(folder: Path) -> dict:
-    """{relative path: {"size", "sha256"}}. Collective when a process group is up: call on every rank
-    after every rank has finished writing (a barrier), and every rank gets the whole table."""
+def file_table(folder: Path, known: dict | None = None) -> dict:
+    """{relative path: {"size", "xxh3_128"}}. known: entries this rank computed while writing (relative
+    path -> entry); every other file is hashed from disk. Collective when a process group is up: call
+    on every rank after every rank has finished writing (a barrier); every rank gets the whole table."""
     folder = Path(folder)
     dist = _dist()
     names = checkpoint_files(folder)
@@ -75,12 +74,14 @@ def file_table(folder: Path) -> dict:
         box = [names]
         dist.broadcast_object_list(box, src=0)
         names = box[0]
-    local = {name: {"size": (folder / name).stat().st_size, "sha256": sha256_file(folder / name)}
-             for name in _share(names, dist)}
     table: dict = {}
+    for part in _gather(dict(known or {}), dist):
+        table.update(part)
+    rest = [name for name in names if name not in table]
+    local = {name: file_entry(folder / name) for name in _share(rest, dist)}
     for part in _gather(local, dist):
         table.update(part)
-    return dict(sorted(table.items()))
+    return {name: table[name] for name in names if name in table}
 
 
 def read_manifest(folder: Path) -> dict:
@@ -98,40 +99,53 @@ def read_manifest(folder: Path) -> dict:
     return data
 
 
-def _problem(folder: Path, name: str, expected: dict) -> str | None:
-    path = folder / name
-    if not path.is_file():
-        return f"checkpoint file {path} is missing"
-    size = path.stat().st_size
-    if size != expected.get("size"):
-        return f"checkpoint file {path} is truncated or altered: {size} bytes, the manifest says {expected.get('size')}"
-    if sha256_file(path) != expected.get("sha256"):
-        return f"checkpoint file {path} is corrupted: its sha256 differs from the manifest"
-    return None
+def listing_problems(folder: Path, manifest: dict) -> list[str]:
+    """What a listing shows (cheap, no collective): files missing, of the wrong size, or not in the
+    manifest. Content is `content_problems`' job."""
+    folder = Path(folder)
+    table = manifest.get("files")
+    if not isinstance(table, dict):
+        return [f"{folder / MANIFEST} has no file checksums (written by an older shardfit?): it can't be verified"]
+    found = []
+    for name in sorted(table):
+        path, expected = folder / name, table[name] or {}
+        if not path.is_file():
+            found.append(f"checkpoint file {path} is missing")
+        elif (size := path.stat().st_size) != expected.get("size"):
+            found.append(f"checkpoint file {path} is truncated or altered: {size} bytes, the manifest says "
+                         f"{expected.get('size')}")
+    extra = sorted(set(checkpoint_files(folder)) - set(table))
+    # NOTE: a stray extra file is harmless to the loaders we use, but it means someone wrote into a
+    # finished checkpoint; report it so a mixed-up folder is not trusted silently.
+    found += [f"checkpoint file {folder / name} is not in the manifest" for name in extra if not name.endswith(".tmp")]
+    return found
+
+
+def content_problems(folder: Path, table: dict, names: list[str]) -> list[str]:
+    """The named files whose bytes don't match their checksum (sizes already checked)."""
+    folder = Path(folder)
+    return [f"checkpoint file {folder / name} is corrupted: its {algorithm_of(table[name] or {})} differs from the manifest"
+            for name in names if not content_matches(folder / name, table[name] or {})]
 
 
 def problems(folder: Path, manifest: dict | None = None) -> list[str]:
     """Everything wrong with a checkpoint folder (empty list = intact). Collective under a process group."""
     folder = Path(folder)
-    dist = _dist()
     if manifest is None:
         try:
             manifest = read_manifest(folder)
         except CorruptCheckpoint as exc:
             return [str(exc)]
-    table = manifest.get("files")
-    if not isinstance(table, dict):
-        return [f"{folder / MANIFEST} has no file checksums (written by an older shardfit?): it can't be verified"]
     key = _identity(folder)
     if key in _VERIFIED:
         return []
-    names = sorted(table)
-    local = [p for name in _share(names, dist) if (p := _problem(folder, name, table[name] or {}))]
+    found = listing_problems(folder, manifest)
+    if found:  # every rank sees the same listing, so every rank returns here alike
+        return found
+    dist = _dist()
+    table = manifest["files"]
+    local = content_problems(folder, table, _share(sorted(table), dist))
     found = [p for part in _gather(local, dist) for p in part]
-    extra = sorted(set(checkpoint_files(folder)) - set(names))
-    # NOTE: a stray extra file is harmless to the loaders we use, but it means someone wrote into a
-    # finished checkpoint; report it so a mixed-up folder is not trusted silently.
-    found += [f"checkpoint file {folder / name} is not in the manifest" for name in extra if not name.endswith(".tmp")]
     if not found and key is not None:
         _VERIFIED.add(key)
     return found
@@ -145,14 +159,88 @@ def _identity(folder: Path):
     return (str(Path(folder).resolve()), stat.st_mtime_ns, stat.st_size, stat.st_ino)
 
 
+def _raise_first(found: list[str], every_rank: bool = True) -> None:
+    """every_rank: the findings are the same on every rank (a listing, or gathered from all ranks)."""
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        error = CorruptCheckpoint(f"{found[0]}{more}: use --resume latest-valid to take the previous checkpoint")
+        error.every_rank = every_rank
+        raise error
+
+
 def verify(folder: Path, manifest: dict | None = None) -> dict:
     """Raise CorruptCheckpoint (one line, naming the first bad file) unless the folder is intact."""
     manifest = manifest if manifest is not None else read_manifest(folder)
-    found = problems(folder, manifest)
-    if found:
-        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
-        raise CorruptCheckpoint(f"{found[0]}{more}: use --resume latest-valid to take the previous checkpoint")
+    _raise_first(problems(folder, manifest))
     return manifest
+
+
+def spare_cores() -> bool:
+    """Whether this host has more cores than training processes: only then does hashing in a
+    background thread overlap the load; on a saturated host the thread only competes with it for
+    the core and the memory bus (measured slower than hashing first)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+class Checks:
+    """Verification that overlaps a load: the listing and sizes are checked when it is created (a
+    partial or truncated checkpoint never reaches the loader); this rank's share of the contents is
+    hashed in a background thread when the host has spare cores (at once otherwise); `finish()`
+    (collective) gathers every rank's findings and raises on every rank if any file is damaged."""
+
+    def __init__(self, folder: Path, manifest: dict, background: bool | None = None):
+        self.folder, self.manifest = Path(folder), manifest
+        self._key = _identity(self.folder)
+        self._found: list[str] = []
+        self._thread = None
+        self._pending = False
+        if self._key in _VERIFIED or "files" not in manifest:  # NOTE: pre-checksum manifests are read as they are
+            return
+        _raise_first(listing_problems(self.folder, manifest))
+        table = manifest["files"]
+        names = _share(sorted(table), _dist())
+        self._pending = True
+        if not (spare_cores() if background is None else background):
+            # No core to overlap on: hash now and settle it before anything is loaded.
+            self._found = content_problems(self.folder, table, names)
+            self.finish()
+            return
+        # xxhash and the page-cache reads release the GIL, so the hashing overlaps the load for real.
+        self._thread = threading.Thread(target=lambda: self._found.extend(content_problems(self.folder, table, names)),
+                                        name="checkpoint-checksums", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def raise_local(self) -> None:
+        """After a failed load, on this rank alone (no collective: the other ranks may not be here):
+        if this rank's share of the files is damaged, that is the error to report."""
+        self._join()
+        _raise_first(self._found, every_rank=False)
+
+    def finish(self) -> None:
+        """Collective: wait for every rank's share; raise CorruptCheckpoint on every rank if any is damaged."""
+        if not self._pending:
+            return
+        self._join()
+        self._pending = False
+        found = [p for part in _gather(self._found, _dist()) for p in part]
+        _raise_first(found)
+        if self._key is not None:
+            _VERIFIED.add(self._key)
 
 
 def step_folders(root: Path) -> list[Path]:
