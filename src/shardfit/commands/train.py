@@ -113,7 +113,13 @@ def run(args) -> int:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    # NOTE: a finished worker leaves without the interpreter's final teardown: there, tensors still
+    # referenced from gloo's C++ work objects are freed while Python is being torn down, which
+    # aborts the process now and then ("terminate called without an active exception", SIGABRT)
+    # after a run that succeeded. Everything this process wrote is closed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 _LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")

@@ -167,7 +167,9 @@ def _load_from_dcp(engine, optimizer, path: Path, stage: int, ctx) -> None:
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    from shardfit.engines.dcp_io import SafeMetadataReader
+
+    metadata = SafeMetadataReader(str(path)).read_metadata().state_dict_metadata
     named = dict(base.unwrap(engine.module).named_parameters())
     keys = [k for name in named for k in (f"model.{name}", f"optim.state.{name}.exp_avg",
                                           f"optim.state.{name}.exp_avg_sq", f"optim.state.{name}.step")]
@@ -176,7 +178,7 @@ def _load_from_dcp(engine, optimizer, path: Path, stage: int, ctx) -> None:
         raise ShardfitError(f"DCP checkpoint {path} lacks {missing[0]}: it was written for another model or optimizer")
     state = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys
              if isinstance(metadata[k], TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    dcp.load(state, storage_reader=SafeMetadataReader(str(path)), no_dist=True)
     # NOTE: AdamW creates its state on the first step, and ZeRO links each parameter to its state
     # fragments only then; before it the setters fail. Create zero state of AdamW's own layout and
     # link it, then overwrite it.

@@ -62,9 +62,11 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from shardfit.engines.dcp_io import SafeMetadataReader
+
         msd, osd = get_state_dict(model, optimizer, options=dcp_options)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(Path(directory) / "dcp"))
+        dcp.load(state, storage_reader=SafeMetadataReader(str(Path(directory) / "dcp")))
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=dcp_options)
 

@@ -227,11 +227,12 @@ def dcp_model_tensors(path: Path, prefix: str = "model."):
     import dataclasses
 
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = FileSystemReader(str(path))
+    from shardfit.engines.dcp_io import SafeMetadataReader
+
+    reader = SafeMetadataReader(str(path))
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
 
