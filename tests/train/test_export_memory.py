@@ -101,14 +101,15 @@ def test_dcp_tensors_are_written_as_read_and_the_shard_before_the_next_read(llam
     filled), the pending shard goes to disk before the next tensor is read (sizes come from the
     metadata), and the metadata is read once, not once per tensor."""
     import safetensors.torch
-    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardfit.engines.dcp_io import SafeMetadataReader
 
     folder, state, _ = llama
     events: list = []
     read_pointers: dict = {}
     metadata_reads = []
     original_tensors, original_save = export.dcp_model_tensors, safetensors.torch.save_file
-    original_metadata = FileSystemReader.read_metadata
+    original_metadata = SafeMetadataReader.read_metadata
 
     def tensors(path, *args, **kwargs):
         for name, lazy in original_tensors(path, *args, **kwargs):
@@ -131,7 +132,7 @@ def test_dcp_tensors_are_written_as_read_and_the_shard_before_the_next_read(llam
 
     monkeypatch.setattr(export, "dcp_model_tensors", tensors)
     monkeypatch.setattr(safetensors.torch, "save_file", save_file)
-    monkeypatch.setattr(FileSystemReader, "read_metadata", read_metadata)
+    monkeypatch.setattr(SafeMetadataReader, "read_metadata", read_metadata)
     files = export.export_checkpoint(folder, tmp_path, max_shard_bytes=SHARD)
     assert len(files) >= 3 and len(metadata_reads) == 1
     pending: list[int] = []  # sizes read since the last save
