@@ -194,3 +194,17 @@ def test_use_cache_in_the_model_config_with_checkpointing(tmp_path):
     assert "use-cache-with-checkpointing" not in rules([args, off])
     no_ac = write(tmp_path, "no_ac.json", {"output_dir": "out", "per_device_train_batch_size": 1})
     assert "use-cache-with-checkpointing" not in rules([no_ac, config])
+
+
+def test_a_key_written_twice_in_a_config_is_one_error_line(tmp_path, capsys):
+    from shardfit.cli import main
+
+    path = tmp_path / "ds_config.json"
+    path.write_text('{\n  "train_micro_batch_size_per_gpu": 4,\n  "zero_optimization": {\n    "stage": 2,\n'
+                    '    "overlap_comm": true,\n    "stage": 3\n  }\n}\n')
+    accel = tmp_path / "accelerate.yaml"
+    accel.write_text("distributed_type: FSDP\nnum_processes: 8\nnum_processes: 16\n")
+    for config, line, first, key in ((path, 6, 4, "stage"), (accel, 3, 2, "num_processes")):
+        assert main(["doctor", str(config)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"shardfit: error: {config} line {line}: duplicate key '{key}' (also at line {first}): keep one"]

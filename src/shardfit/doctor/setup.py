@@ -6,7 +6,6 @@ files describe one run (accelerate.yaml + ds_config.json + train.py): their fact
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -211,8 +210,12 @@ def from_plan(d: dict) -> dict:
 
 
 def _load(path: Path) -> dict:
-    """A config file as a mapping: YAML by extension (.yaml/.yml), JSON otherwise; errors in one line."""
+    """A config file as a mapping: YAML by extension (.yaml/.yml), JSON otherwise; errors in one line.
+    A key written twice is an error too: DeepSpeed, Accelerate and transformers would silently take
+    the last one, so the config would not say what its author reads in it."""
     import yaml
+
+    from shardfit.spec.planfile import DuplicateKey, json_load_unique, yaml_load_unique
 
     try:
         text = path.read_text()
@@ -220,7 +223,11 @@ def _load(path: Path) -> dict:
         raise ShardfitError(f"cannot read {path}: {exc.strerror}") from None
     kind = "YAML" if path.suffix in (".yaml", ".yml") else "JSON"
     try:
-        data = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+        data = yaml_load_unique(text) if kind == "YAML" else json_load_unique(text)
+    except DuplicateKey as exc:
+        raise ShardfitError(exc.message(path)) from None
+    except RecursionError:
+        raise ShardfitError(f"{path} is not valid {kind}: nested too deeply") from None
     except (ValueError, yaml.YAMLError) as exc:
         raise ShardfitError(f"{path} is not valid {kind}: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
