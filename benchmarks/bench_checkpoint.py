@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -151,10 +152,7 @@ def _largest_tensor_bytes(checkpoint: Path) -> int:
     largest = 0
     for key, item in meta.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata):
-            count = 1
-            for dim in item.size:
-                count *= dim
-            largest = max(largest, count * item.properties.dtype.itemsize)
+            largest = max(largest, math.prod(item.size) * item.properties.dtype.itemsize)
     return largest
 
 
