@@ -135,3 +135,30 @@ def test_params_only_spec_checks_inputs():
         params_only_spec(-1)
     with pytest.raises(ShardfitError):
         params_only_spec(10, 100)
+
+
+def test_single_parses_alone_and_refuses_options_and_offload_in_one_line():
+    strategy = parse_strategy("Single")
+    assert strategy.kind == "single" and strategy.label == "single" and parse_strategy(strategy.label) == strategy
+    assert not strategy.shards_params and not strategy.is_deepspeed
+    for text in ("single:no_shard", "single+offload", "single+offload-nvme"):
+        with pytest.raises(ShardfitError, match="single .*has no options and no offload") as err:
+            parse_strategy(text)
+        assert "\n" not in str(err.value)
+
+
+def test_single_needs_a_world_of_one():
+    from shardfit.spec.plan import Cluster
+
+    ok = Plan(model=SPEC, strategy=parse_strategy("single"), cluster=Cluster(nodes=1, gpus_per_node=1))
+    assert validate_plan(ok) == []
+    for nodes, gpus in ((1, 2), (2, 1), (1, 8)):
+        plan = dataclasses.replace(ok, cluster=Cluster(nodes=nodes, gpus_per_node=gpus))
+        with pytest.raises(ShardfitError, match="single runs on one device") as err:
+            validate_plan(plan)
+        message = str(err.value)
+        assert "\n" not in message and "--gpus 1" in message and "data-parallel strategy" in message
+        assert f"has {nodes * gpus} GPUs" in message
+    with pytest.raises(ShardfitError, match="single has no offload"):
+        plan_from_dict({"model": dataclasses.asdict(SPEC), "strategy": {"kind": "single", "offload_params": "cpu"},
+                        "cluster": {"gpus_per_node": 1}})

@@ -13,12 +13,11 @@ import importlib
 from collections import Counter
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.derive import build_hf_model, find_blocks
 from shardfit.spec.model_spec import ModelSpec
 
 _DTYPES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",
            "bf16": "bfloat16", "bfloat16": "bfloat16"}
-# The model class each family is trained as, whatever the config's `architectures` says.
-_MASKED_LM = {"bert": "BertForMaskedLM"}
 
 
 def torch_dtype(dtype):
@@ -64,25 +63,8 @@ def _call_factory(ref: str, device: str):
 
 
 def _hf_model(cfg: dict, device: str, dtype, attn_implementation: str):
-    import torch
-    import transformers
-    from transformers import CONFIG_MAPPING
-
-    model_type = cfg["model_type"]
-    config = CONFIG_MAPPING[model_type](**cfg)
-    config.use_cache = False  # a KV cache under activation checkpointing breaks recompute
-    arch = _MASKED_LM.get(model_type)
-    if arch is None:
-        names = [a for a in (cfg.get("architectures") or []) if a.endswith("ForCausalLM")]
-        arch = names[0] if names else None
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
-    if attn_implementation == "sdpa" and not getattr(cls, "_supports_sdpa", True):
-        # NOTE: Gemma-2 has no SDPA path in transformers 5 (logit soft-capping): eager is its only kernel.
-        attn_implementation = "eager"
-    with torch.device(device):
-        return cls._from_config(config, dtype=torch_dtype(dtype), attn_implementation=attn_implementation)
+    # NOTE: one class resolution for every path (spec derivation, engines, tracing): spec/derive.py.
+    return build_hf_model(cfg, device=device, dtype=torch_dtype(dtype), attn_implementation=attn_implementation)
 
 
 def build_model(ref_or_spec, device: str = "cpu", dtype=None, seed: int | None = None,
@@ -152,9 +134,14 @@ def detect_block_class(model):
 
 def block_classes(model, spec: ModelSpec | None = None) -> set:
     """The repeated block classes: the FSDP auto-wrap unit and the activation-checkpointing unit."""
-    name = spec.block_class if spec is not None else ""
-    if name:
-        found = {type(m) for m in model.modules() if type(m).__name__ == name}
+    names = set((spec.block_class if spec is not None else "").split(",")) - {""}
+    if names:
+        found = {type(m) for m in model.modules() if type(m).__name__ in names}
+        if found:
+            return found
+    if spec is not None and spec.derived:
+        # Several block classes in one layer list (attention and Mamba layers): derive's own finder.
+        found = {type(b) for b in find_blocks(model)}
         if found:
             return found
     detected = detect_block_class(model)

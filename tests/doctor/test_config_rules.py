@@ -208,3 +208,29 @@ def test_a_key_written_twice_in_a_config_is_one_error_line(tmp_path, capsys):
         assert main(["doctor", str(config)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"shardfit: error: {config} line {line}: duplicate key '{key}' (also at line {first}): keep one"]
+
+
+def test_one_process_configs_are_read_as_single(tmp_path):
+    from shardfit.doctor.rules import plan_of
+    from shardfit.doctor.setup import read_setup
+    from shardfit.emit import emit
+    from shardfit.spec.plan import Cluster, Plan, Training, parse_strategy
+
+    seven = load_model_spec("llama-2-7b")
+    plan = Plan(model=seven, strategy=parse_strategy("single"), cluster=Cluster(nodes=1, gpus_per_node=1),
+                training=Training(micro_batch=1, seq_len=2048, activation_checkpointing="full"))
+    accel = tmp_path / "accelerate.yaml"
+    accel.write_text(emit(plan, "accelerate").main)
+    setup, _ = read_setup([str(accel)])
+    assert setup.engine == "single"
+    assert plan_of(setup, Context(model=seven, gpu=H100, seq_len=2048)).strategy.kind == "single"
+    found = rules(str(accel), model=seven, gpu=H100, seq_len=2048)
+    # 16 B/param of a 7B model on one GPU: the finding names the strategy the config really runs.
+    assert "single" in found["does-not-fit"].message and "--gpus 1" in found["does-not-fit"].fix
+    multi = write(tmp_path, "multi.yaml", {"distributed_type": "MULTI_GPU", "num_processes": 2, "num_machines": 1})
+    assert read_setup([multi])[0].engine == "ddp"
+    small = {"model": "llama-1b", "strategy": {"kind": "single"},
+             "training": {"micro_batch": 1, "seq_len": 2048, "activation_checkpointing": "full"},
+             "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "H100-80GB"}}
+    report = diagnose([write(tmp_path, "plan.yaml", small)], Context(gpu=H100))
+    assert report.errors == 0

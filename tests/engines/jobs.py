@@ -11,7 +11,8 @@ DS_BUCKETS = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_00
 def plan(engine: str, precision: str = "fp32", ac: str = "none", steps: int = STEPS, grad_accum: int = 1,
          save_every: int = 0, eval_every: int = 0, **strategy) -> dict:
     strategy = {"kind": engine, **(DS_BUCKETS if engine.startswith("zero") else {}), **strategy}
-    return {"model": "tiny-llama", "strategy": strategy,
+    cluster = {"nodes": 1, "gpus_per_node": 1} if engine == "single" else {}
+    return {"model": "tiny-llama", "strategy": strategy, "cluster": cluster,
             "training": {"micro_batch": 2, "seq_len": 64, "grad_accum": grad_accum, "precision": precision,
                          "activation_checkpointing": ac},
             "schedule": {"steps": steps, "lr": 3e-3, "warmup_steps": 1, "log_every": 100, "eval_every": eval_every,
@@ -77,8 +78,19 @@ def matrix_jobs(root: str, reference_root: str) -> list[dict]:
 
 def reference_jobs(root: str) -> list[dict]:
     """One process, before the matrix: accumulating the two ranks' micro-batches is the same math
-    as 2 ranks; its step-2 checkpoint is resumed by 2 ranks (DCP 1 -> 2)."""
-    return [{"name": "single-ddp-accum2", "plan": plan("ddp", grad_accum=2, save_every=2), "out": f"{root}/single"}]
+    as 2 ranks; its step-2 checkpoint is resumed by 2 ranks (DCP 1 -> 2). The single engine (no
+    wrapper) runs here too: it is that same one-process math without DDP's reducer."""
+    single = plan("single", grad_accum=2, save_every=2, eval_every=2)
+    return [{"name": "single-ddp-accum2", "plan": plan("ddp", grad_accum=2, save_every=2), "out": f"{root}/single"},
+            {"name": "single-fp32-none", "plan": single, "out": f"{root}/single-engine",
+             "export": f"{root}/single-engine-hf", "logits": True, "generate": True, "count_recompute": True},
+            {"name": "single-resume", "plan": single, "out": f"{root}/single-engine-resumed",
+             "resume": f"{root}/single-engine/checkpoints/step-2"},
+            {"name": "single-fp32-full", "plan": plan("single", "fp32", "full", grad_accum=2),
+             "out": f"{root}/single-fp32-full", "count_recompute": True},
+            {"name": "single-bf16-full", "plan": plan("single", "bf16", "full", grad_accum=2),
+             "out": f"{root}/single-bf16-full"},
+            {"name": "single-fp16", "plan": plan("single", "fp16", grad_accum=2), "out": f"{root}/single-fp16"}]
 
 
 def single_rank_jobs(root: str, matrix_root: str) -> list[dict]:
@@ -93,5 +105,7 @@ def single_rank_jobs(root: str, matrix_root: str) -> list[dict]:
         {"name": "finetune-from-export", "plan": {**plan("ddp", grad_accum=2, steps=2), "model": f"{matrix_root}/ddp-hf"},
          "out": f"{root}/finetune"},
         {"name": "ddp-from-fsdp2-2to1", "plan": plan("ddp", grad_accum=2, save_every=2), "out": f"{root}/2to1-ddp",
+         "resume": f"{matrix_root}/fsdp2/checkpoints/step-2"},
+        {"name": "single-from-fsdp2-2to1", "plan": plan("single", grad_accum=2), "out": f"{root}/2to1-single",
          "resume": f"{matrix_root}/fsdp2/checkpoints/step-2"},
     ]

@@ -103,6 +103,53 @@ def test_dcp_checkpoint_resumes_on_one_rank(runs):
         assert resumed["losses"] == pytest.approx(full[2:], rel=1e-5), name
 
 
+def test_single_engine_is_the_one_process_math_without_a_wrapper(runs):
+    # One process accumulating both micro-batches: DDP over a group of one changes no gradient bit.
+    reference = _ok(runs, "single-ddp-accum2")["losses"]
+    full = _ok(runs, "single-fp32-none")
+    assert full["losses"] == reference
+    assert _ok(runs, "single-fp32-full")["losses"] == pytest.approx(full["losses"], rel=1e-5)
+    assert (full["mlp_calls"], _ok(runs, "single-fp32-full")["mlp_calls"]) == (1, 2)
+    for name in ("single-bf16-full", "single-fp16"):
+        losses = _ok(runs, name)["losses"]
+        assert len(losses) == STEPS and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.1, name
+
+
+def test_single_engine_resumes_bit_identically(runs):
+    full = _ok(runs, "single-fp32-none")
+    resumed = _ok(runs, "single-resume")
+    assert resumed["steps"] == list(range(3, STEPS + 1))
+    assert resumed["losses"] == full["losses"][2:]  # exact equality: bit for bit
+    evals = [r for r in full["records"] if "val_loss" in r]
+    again = next(r for r in resumed["records"] if "val_loss" in r)
+    assert (again["val_loss"], again["sample_ids"]) == (evals[1]["val_loss"], evals[1]["sample_ids"])
+    step = runs["root"].parent / "reference" / "single-engine" / "checkpoints" / "step-4"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert (manifest["engine"], manifest["format"], manifest["world_size"]) == ("single", "dcp", 1)
+
+
+def test_single_engine_resumes_a_two_rank_fsdp2_checkpoint(runs):
+    full = _ok(runs, "fsdp2-fp32-none")["losses"]
+    resumed = _ok(runs, "single-from-fsdp2-2to1")
+    assert resumed["steps"] == list(range(3, STEPS + 1))
+    assert resumed["losses"] == pytest.approx(full[2:], rel=1e-5)
+
+
+def test_single_engine_export_loads_in_transformers(runs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardfit.train.generate import greedy
+    from worker import PROBE
+
+    result = _ok(runs, "single-fp32-none")
+    model = AutoModelForCausalLM.from_pretrained(str(runs["root"].parent / "reference" / "single-engine-hf")).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE)).logits.float()[0, -3:, :8]
+        assert torch.allclose(logits, torch.tensor(result["logits"]), atol=1e-5)
+        assert greedy(model, [256, *"In the morning".encode()], 12, "cpu", eos_id=257) == result["generated"]
+
+
 def test_checkpoints_are_complete_and_pruned(runs):
     folders = sorted(p.name for p in (runs["root"] / "fsdp2" / "checkpoints").iterdir())
     assert folders == ["step-2", "step-4", "step-5"]  # keep 3; the final step is always saved

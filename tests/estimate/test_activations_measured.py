@@ -27,6 +27,11 @@ def saved_bytes(name, precision, attention, b=2, s=64, lora=None) -> int:
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora.rank, target_modules=list(lora.target_modules),
                                                            lora_dropout=0.0))
+    return autograd_saved_bytes(model, precision, b, s)
+
+
+def autograd_saved_bytes(model, precision, b=2, s=64) -> int:
+    """Distinct storages autograd saves in one forward with labels (parameters excluded)."""
     model.train()
     owned = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, int] = {}
@@ -37,7 +42,7 @@ def saved_bytes(name, precision, attention, b=2, s=64, lora=None) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    ids = torch.randint(0, cfg["vocab_size"], (b, s))
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (b, s))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(input_ids=ids, labels=ids).loss  # the output (logits) is dropped, as in training

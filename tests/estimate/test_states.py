@@ -178,7 +178,9 @@ def test_lora_shrinks_grads_and_optimizer_and_qlora_shrinks_the_base():
     q = estimate(plan(BIG, "ddp", precision="bf16").with_changes(
         training={"lora": LoRA(rank=16, target_modules=("q_proj", "v_proj"), base_dtype="nf4")}))
     linear = sts.quantized_linear_params(BIG)
-    base = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + (BIG.n_params - linear) * 2
-    assert abs(q.phases["load"]["params"] - (base + 4 * adapters)) <= 2
-    # nf4 is a bit over 0.5 B/param for the linears: 7B-class QLoRA base weights under 6 GB.
-    assert q.phases["load"]["params"] < 6e9
+    # nf4 linears a bit over 0.5 B/param (plus ~1.1 KB of constants per weight); peft's
+    # prepare_model_for_kbit_training upcasts the rest (embeddings, norms, head) to fp32.
+    base = linear * (0.5 + 1 / 64 + 4 / (64 * 256)) + (BIG.n_params - linear) * 4
+    per_weight = 1092 * sum(n for *_, n in sts.model_linears(BIG))
+    assert abs(q.phases["load"]["params"] - (base + per_weight + 4 * adapters)) <= 1e5
+    assert q.phases["load"]["params"] < 0.5 * est.phases["load"]["params"]

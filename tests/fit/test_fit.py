@@ -11,7 +11,7 @@ from shardfit.fit import FitRequest, fit
 from shardfit.fit.families import families
 from shardfit.spec.gpus import get_gpu
 from shardfit.spec.models import load_model_spec
-from shardfit.spec.plan import LoRA
+from shardfit.spec.plan import LoRA, parse_strategy
 
 CASES = [  # (model, gpu, gpus per node, nodes, seq, global batch)
     ("llama-3.1-8b", "H100-80GB", 8, 1, 4096, 512),
@@ -137,3 +137,46 @@ def test_families_the_request_rules_out_are_explained_not_searched():
     pure = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
                           global_batch=64, precision="bf16-pure"))
     assert not pure.best.plan.strategy.is_deepspeed and "not possible" in {r.family: r.reason for r in pure.rejected}["zero2"]
+
+
+def test_one_gpu_picks_single_whenever_it_fits():
+    model = load_model_spec("llama-1b")
+    assert families(1, 1, model.hidden_size)[0].label == "single"
+    assert "single" not in {f.label for f in families(8, 1, model.hidden_size)}
+    assert "single" not in {f.label for f in families(1, 2, model.hidden_size)}  # 2 nodes x 1 GPU: two GPUs
+    result = fit(FitRequest(model=model, gpus_per_node=1, nodes=1, seq_len=2048))
+    assert result.best.family == "single" and result.best.plan.strategy.kind == "single"
+    assert result.best.plan.cluster.world_size == 1 and result.best.time.comm_s == 0
+    ddp = next(r.reason for r in result.rejected if r.family == "ddp")
+    assert "bucket copy" in ddp and "single" in ddp
+    # DDP fits too, with more memory at the same micro-batch: its reducer's copy of every gradient.
+    ddp_plan = result.best.plan.with_changes(strategy=parse_strategy("ddp"))
+    assert estimate(ddp_plan).peak_bytes - estimate(result.best.plan).peak_bytes == 4 * model.n_params
+    lora = fit(FitRequest(model=load_model_spec("llama-2-7b"), gpus_per_node=1, seq_len=2048, lora=LoRA(rank=16)))
+    assert lora.best.family == "single"
+
+
+def test_single_is_never_a_candidate_beyond_one_gpu():
+    model = load_model_spec("llama-1b")
+    result = fit(FitRequest(model=model, gpus_per_node=8, seq_len=2048))
+    assert result.best.family != "single"
+    assert "single" not in {c.family for c in result.alternatives} | {r.family for r in result.rejected}
+    with pytest.raises(ShardfitError, match="single is for one GPU"):
+        fit(FitRequest(model=model, gpus_per_node=8, seq_len=2048, engines=("single",)))
+    # Full fine-tuning of 7B does not fit one H100 without offload: single says why.
+    big = fit(FitRequest(model=load_model_spec("llama-2-7b"), gpus_per_node=1, seq_len=2048))
+    assert "offload" in big.best.family
+    assert next(r.reason for r in big.rejected if r.family == "single").startswith("does not fit")
+
+
+def test_fit_cli_writes_a_single_plan_for_one_gpu(tmp_path, capsys):
+    from shardfit.cli import main
+    from shardfit.spec.planfile import load_plan
+
+    out = tmp_path / "plan.yaml"
+    assert main(["fit", "tiny-llama", "--gpus", "1", "--gpu", "custom:1", "-o", str(out)]) == 0
+    assert "best: single" in capsys.readouterr().out
+    plan = load_plan(out)
+    assert plan.strategy.kind == "single" and plan.cluster.world_size == 1
+    assert main(["fit", "tiny-llama", "--gpus", "1", "--engine", "ddp,deepspeed"]) == 0  # single left out
+    assert "best: single" not in capsys.readouterr().out

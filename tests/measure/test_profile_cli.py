@@ -30,6 +30,20 @@ def test_profile_flags_json_chart_and_text(tmp_path):
         assert result["comparison"]["forward"]["params"]["error"] == pytest.approx(0, abs=0.02)
 
 
+def test_profile_single_runs_one_rank_without_nproc():
+    done = shardfit("profile", "--strategy", "single", "--precision", "bf16", "--seq", "32", "--json", timeout=300)
+    result = json.loads(done.stdout)
+    assert result["label"] == "single" and len(result["report"]["ranks"]) == 1
+    assert result["plan"]["cluster"]["gpus_per_node"] == 1
+    assert result["measured"]["load"].get("grads", 0) == 0  # no reducer buckets, no grads between steps
+    assert abs(result["comparison"]["peak"]["error"]) < 0.05
+    text = shardfit("profile", "--strategy", "single", "--seq", "32", timeout=300).stdout
+    assert "· single ·" in text and "· 1 rank ·" in text
+    refused = shardfit("profile", "--strategy", "single", "--nproc", "2", check=False, timeout=60)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "single runs on one device" in lines[0]
+
+
 def test_profile_script_reports_every_rank(tmp_path):
     width = 256
     done = shardfit("profile", "--script", str(DATA / "user_train.py"), "--json", "--", "--steps", "2",

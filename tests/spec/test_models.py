@@ -204,7 +204,7 @@ def bad_refs(tmp_path, factory):
         _write(tmp_path, "bad.json", "{not json"): "not valid JSON",
         _write(tmp_path, "list.json", "[1, 2]"): "must be a JSON object",
         _write(tmp_path, "notype.json", json.dumps({"hidden_size": 8})): "no 'model_type'",
-        _write(tmp_path, "t5.json", json.dumps({"model_type": "t5"})): "model_type 't5' is not supported",
+        _write(tmp_path, "unknown.json", json.dumps({"model_type": "no-such-model"})): "model_type 'no-such-model' is not known",
         _write(tmp_path, "nohidden.json", json.dumps({k: v for k, v in llama.items() if k != "hidden_size"})): "lacks 'hidden_size'",
         _write(tmp_path, "neg.json", json.dumps({**llama, "num_hidden_layers": -2})): "positive integer",
         _write(tmp_path, "heads.json", json.dumps({**llama, "num_attention_heads": 5})): "not divisible",

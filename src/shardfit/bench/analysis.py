@@ -76,6 +76,7 @@ def compare(results: list[dict], plan, reference: dict | None = None) -> None:
     if reference is None or reference.get("status") != "ok":
         reference = next((r for r in results if r.get("strategy") == "ddp" and r.get("status") == "ok"), None)
     ref_loss = reference["loss"]["final"] if reference else None
+    ref_world = reference.get("world_size") if reference else None
     exact_ref = reference is not None and (reference.get("precision") or plan.training.precision) == "fp32"
     for result in results:
         if result.get("status") != "ok":
@@ -85,6 +86,11 @@ def compare(results: list[dict], plan, reference: dict | None = None) -> None:
         splan = strategy_plan(plan, result["strategy"], result["world_size"])
         if ref_loss is None:
             result["correctness"] = {"status": "no reference", "note": "the DDP reference did not run: nothing to compare against"}
+        elif ref_world is not None and result["world_size"] != ref_world:
+            # Each rank trains on its own share of the batch: fewer ranks see other data (bench --nproc 1 compares).
+            result["correctness"] = {"status": "not comparable",
+                                     "note": f"{result['world_size']} rank(s) train on other data than the {ref_world}-rank "
+                                             "reference: compare with `shardfit bench --nproc 1`"}
         else:
             loss = result["loss"]["final"]
             rel = abs(loss - ref_loss) / abs(ref_loss)

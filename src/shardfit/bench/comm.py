@@ -146,6 +146,8 @@ def theoretical_comm(strategy, n_params: int, *, grad_bytes: int, param_bytes: i
     """
     grads = n_params * grad_bytes
     kind = strategy.kind
+    if kind == "single":
+        return {"by_kind": {}, "bytes": 0, "volume_bytes": 0, "note": "single: one device, no collectives"}
     if kind == "ddp" or (kind == "fsdp" and strategy.sharding == "no_shard"):
         by_kind = {"all_reduce": grads}
         note = "DDP: one all-reduce of the gradients (2P: reduce-scatter + all-gather)"

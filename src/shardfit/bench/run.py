@@ -2,6 +2,10 @@
 out-of-memory strategy becomes a row in the report and never stops the others. Then one fresh job
 reloads every checkpoint (a strategy whose check does not come back is retried alone). Then it compares: losses against the DDP/fp32 reference,
 measured memory against the estimator, collectives against theory.
+
+A `single` row always runs as a one-process job at the plan's micro-batch, whatever --nproc is: its
+memory is per device like every other row's. On more than one rank its loss is over another batch
+(one rank's share), so it is not compared with the reference; with --nproc 1 it is.
 """
 from __future__ import annotations
 
@@ -17,9 +21,14 @@ from pathlib import Path
 
 from shardfit.errors import ShardfitError
 
+# With --nproc 1, `single` comes first (see default_strategies).
 DEFAULT_STRATEGIES = ("ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp2", "zero1", "zero2", "zero3",
                       "zero3+offload")
 OOM_EXIT = 3  # shardfit.bench.worker's exit code for "out of memory / over budget"
+
+
+def default_strategies(nproc: int) -> tuple[str, ...]:
+    return (("single",) if nproc == 1 else ()) + DEFAULT_STRATEGIES
 
 
 def default_plan(nproc: int = 2):
@@ -56,10 +65,12 @@ def load_bench_plan(path: str | None, nproc: int):
 
 def strategy_plan(plan, label: str, nproc: int):
     """The plan with `label`'s kind, sharding and offload; bucket sizes and the rest stay the
-    plan's, and the cluster becomes what is measured (one node of nproc ranks)."""
+    plan's, and the cluster becomes what is measured (one node of nproc ranks; one rank for single)."""
     from shardfit.spec.plan import parse_strategy, validate_plan
 
     parsed = parse_strategy(label)
+    if parsed.kind == "single":
+        nproc = 1
     strategy = dataclasses.replace(plan.strategy, kind=parsed.kind, sharding=parsed.sharding,
                                    reshard_after_forward=parsed.reshard_after_forward,
                                    offload_optimizer=parsed.offload_optimizer,
@@ -96,11 +107,12 @@ def _env() -> dict:
     return env
 
 
-def _torchrun(args: list[str], nproc: int, timeout: float, log: Path) -> tuple[int | None, float]:
-    """Run one torchrun job in its own process group; kill the whole group on timeout.
+def torchrun_job(args: list[str], nproc: int, timeout: float, log: Path,
+                 module: str = "shardfit.bench.worker") -> tuple[int | None, float]:
+    """Run one torchrun job of `module` in its own process group; kill the whole group on timeout.
     Returns (exit code or None on timeout, seconds)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-               "-m", "shardfit.bench.worker", *args]
+               "-m", module, *args]
     start = time.perf_counter()
     with open(log, "a") as sink:
         sink.write("$ " + " ".join(command) + "\n")
@@ -144,7 +156,7 @@ def run_strategy(plan, label: str, *, out: Path, nproc: int, warmup: int, steps:
     log.write_text("")
     plan_file.write_text(json.dumps(plan.to_dict(), indent=1))
     common = ["--plan", str(plan_file), "--ckpt", str(work / "checkpoint")]
-    code, seconds = _torchrun([*common, "--out", str(result_file), "--warmup", str(warmup), "--steps", str(steps),
+    code, seconds = torchrun_job([*common, "--out", str(result_file), "--warmup", str(warmup), "--steps", str(steps),
                                "--budget-bytes", str(budget or 0), *([] if checkpoint else ["--no-checkpoint"])],
                               nproc, timeout, log)
     # A rank that failed alone writes result.rankN.json; torchrun then stops the others.
@@ -162,26 +174,38 @@ def run_strategy(plan, label: str, *, out: Path, nproc: int, warmup: int, steps:
 
 
 def verify_checkpoints(results: list[dict], out: Path, nproc: int, timeout: float, progress=print) -> None:
-    """Reload every saved checkpoint in a fresh torchrun job (one for all; a strategy whose check
-    did not come back is retried alone, so one bad checkpoint cannot hide the others)."""
+    """Reload every saved checkpoint in a fresh torchrun job (one for all of a world size; a strategy
+    whose check did not come back is retried alone, so one bad checkpoint cannot hide the others)."""
     pending = [r for r in results if r.get("status") == "ok" and r.get("checkpoint")]
     if not pending:
         return
+    seconds = 0.0
+    for world in sorted({r.get("world_size", nproc) for r in pending}):
+        group = [r for r in pending if r.get("world_size", nproc) == world]
+        seconds += _verify_group(group, out, world, timeout, "" if world == nproc else f"-{world}")
+    loaded = sum(1 for r in pending if r["checkpoint"].get("exact_at_load"))
+    exact = sum(1 for r in pending if r["checkpoint"].get("exact"))
+    progress(f"checkpoints, reloaded in a fresh process ({seconds:.0f} s): {loaded}/{len(pending)} loaded bit-identically, "
+             f"{exact}/{len(pending)} also resume bit-identically")
+
+
+def _verify_group(pending: list[dict], out: Path, nproc: int, timeout: float, suffix: str) -> float:
+    """One verification job for the checkpoints written by `nproc` ranks; returns its seconds."""
     jobs = []
     for result in pending:
         work = Path(result["log"]).parent
         jobs.append({"plan": str(work / "plan.json"), "ckpt": str(work / "checkpoint"), "out": str(work / "verify.json")})
-    log = out / "runs" / "verify-log.txt"
+    log = out / "runs" / f"verify{suffix}-log.txt"
     log.write_text("")
-    jobs_file = out / "runs" / "verify-jobs.json"
+    jobs_file = out / "runs" / f"verify{suffix}-jobs.json"
     jobs_file.write_text(json.dumps(jobs, indent=1))
-    _, seconds = _torchrun(["--verify", str(jobs_file)], nproc, timeout * max(1, len(jobs) / 2), log)
+    _, seconds = torchrun_job(["--verify", str(jobs_file)], nproc, timeout * max(1, len(jobs) / 2), log)
     for result, job in zip(pending, jobs):
         verify_file = Path(job["out"])
         if not verify_file.is_file():
             single = Path(job["out"]).with_name("verify-job.json")
             single.write_text(json.dumps([job]))
-            _, more = _torchrun(["--verify", str(single)], nproc, timeout, Path(result["log"]))
+            _, more = torchrun_job(["--verify", str(single)], nproc, timeout, Path(result["log"]))
             seconds += more
         if verify_file.is_file():
             check = json.loads(verify_file.read_text())
@@ -191,10 +215,7 @@ def verify_checkpoints(results: list[dict], out: Path, nproc: int, timeout: floa
                 result["checkpoint"].update(exact=False, restored=None, error=check.get("error"))
         else:
             result["checkpoint"].update(exact=False, restored=None, error=_last_error(log))
-    loaded = sum(1 for r in pending if r["checkpoint"].get("exact_at_load"))
-    exact = sum(1 for r in pending if r["checkpoint"].get("exact"))
-    progress(f"checkpoints, reloaded in a fresh process ({seconds:.0f} s): {loaded}/{len(pending)} loaded bit-identically, "
-             f"{exact}/{len(pending)} also resume bit-identically")
+    return seconds
 
 
 def bench(plan, strategies: list[str], *, out: Path, nproc: int = 2, warmup: int = 2, steps: int = 5,
@@ -214,8 +235,8 @@ def bench(plan, strategies: list[str], *, out: Path, nproc: int = 2, warmup: int
             progress(f"[{index}/{len(strategies)}] {analysis.progress_line(results[-1])}")
             continue
         progress(f"[{index}/{len(strategies)}] {label:<20} running ...", end="\r")
-        result = run_strategy(plans[label], label, out=out, nproc=nproc, warmup=warmup, steps=steps,
-                              budget=budgets.get(label, 0), timeout=timeout, checkpoint=checkpoint)
+        result = run_strategy(plans[label], label, out=out, nproc=plans[label].cluster.world_size, warmup=warmup,
+                              steps=steps, budget=budgets.get(label, 0), timeout=timeout, checkpoint=checkpoint)
         result["predicted"] = analysis.predicted(plans[label])
         result["comm_theory"] = analysis.comm_theory(plans[label])
         results.append(result)

@@ -12,7 +12,8 @@ from shardfit.errors import ShardfitError
 def add_arguments(parser) -> None:
     parser.add_argument("plan", nargs="?", help="plan YAML (default: the embedded tiny-llama plan)")
     parser.add_argument("--strategies", default=None,
-                        help="comma list (default: ddp,fsdp:full_shard,fsdp:shard_grad_op,fsdp2,zero1,zero2,zero3,zero3+offload)")
+                        help="comma list (default: ddp,fsdp:full_shard,fsdp:shard_grad_op,fsdp2,zero1,zero2,zero3,zero3+offload; "
+                             "single first with --nproc 1). A single row always runs one process")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy, after warm-up (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps; the last one is instrumented (default 2)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
@@ -26,7 +27,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from shardfit.bench import report as report_mod
-    from shardfit.bench.run import DEFAULT_STRATEGIES, bench, load_bench_plan, parse_budgets
+    from shardfit.bench.run import bench, default_strategies, load_bench_plan, parse_budgets
 
     if args.steps < 2 or args.warmup < 2:
         # NOTE: the instrumented step is the last warm-up step; on the first step optimizer states
@@ -37,7 +38,7 @@ def run(args) -> int:
     if not args.timeout > 0:
         raise ShardfitError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     nproc = args.nproc or _default_nproc()
-    labels = [s.strip() for s in (args.strategies or ",".join(DEFAULT_STRATEGIES)).split(",") if s.strip()]
+    labels = [s.strip() for s in (args.strategies or ",".join(default_strategies(nproc))).split(",") if s.strip()]
     if len(set(labels)) != len(labels):
         raise ShardfitError(f"--strategies lists a strategy twice: {','.join(labels)}")
     from shardfit.spec.plan import parse_strategy

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 (runnable script), lightning "
+FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 / single (runnable script), lightning "
                "(strategy args), hf-trainer (TrainingArguments JSON), torchrun (launch script), deepspeed-launcher "
                "(two files: run_deepspeed.sh + hostfile), slurm (sbatch script)")
 OUTPUT_HELP = ("where to write (default: print to stdout). One-file formats: PATH is the file to write (replaced if it "

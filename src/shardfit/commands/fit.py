@@ -21,8 +21,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
                         help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling)")
     parser.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit, sgd, lion, adafactor")
-    parser.add_argument("--engine", default="ddp,deepspeed,fsdp",
-                        help="comma list of engines to search: ddp, deepspeed, fsdp (default all)")
+    parser.add_argument("--engine", default="single,ddp,deepspeed,fsdp",
+                        help="comma list of engines to search: single (one GPU only), ddp, deepspeed, fsdp (default all)")
     parser.add_argument("--cpu", action="store_true",
                         help="budget for a CPU run: compare tensor bytes only (no CUDA context / NCCL)")
     parser.add_argument("--host-memory-gib", type=float, dest="host_memory_gib",
@@ -45,9 +45,9 @@ def request_from_args(args):
     from shardfit.spec.plan import LoRA, Plan, Schedule
 
     engines = tuple(e.strip().lower() for e in args.engine.split(",") if e.strip())
-    unknown = [e for e in engines if e not in ("ddp", "deepspeed", "fsdp")]
+    unknown = [e for e in engines if e not in ("single", "ddp", "deepspeed", "fsdp")]
     if unknown:
-        raise ShardfitError(f"--engine '{unknown[0]}' is not known: use ddp, deepspeed, fsdp (comma-separated)")
+        raise ShardfitError(f"--engine '{unknown[0]}' is not known: use single, ddp, deepspeed, fsdp (comma-separated)")
     if args.top < 0:
         raise ShardfitError(f"--top must be 0 or more, got {args.top}")
     model = load_model_spec(args.model)
@@ -97,6 +97,7 @@ def run(args) -> int:
         if checked is not None:
             print(checked.line())
         if args.output and ok:
-            print(f"wrote {args.output}: next `shardfit emit {args.output} --format deepspeed|fsdp2|...` "
+            formats = "single|hf-trainer|..." if result.best.plan.strategy.kind == "single" else "deepspeed|fsdp2|..."
+            print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}` "
                   f"or `shardfit train {args.output}`", file=sys.stderr)
     return 0 if ok else 1

@@ -1,9 +1,16 @@
-"""`shardfit models`: the shipped presets (or one model reference) as a table or JSON. No torch."""
+"""`shardfit models`: the shipped presets (or one model reference) as a table or JSON; a tiny config
+of any transformers model type (`--tiny`); the derived-spec cache (`--clear-cache`). No torch for
+presets and cached specs."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+from shardfit.emit.common import write_files
+from shardfit.errors import ShardfitError
+from shardfit.spec import spec_cache
 from shardfit.spec.models import list_presets, load_model_spec
+from shardfit.spec.tiny import tiny_config
 
 
 def add_arguments(parser) -> None:
@@ -11,6 +18,12 @@ def add_arguments(parser) -> None:
                         help="show one model instead of the presets: a preset, a config.json path or directory, "
                              "or a factory pkg.module:fn")
     parser.add_argument("--json", action="store_true", help="print the specs as JSON (every ModelSpec field)")
+    parser.add_argument("--tiny", metavar="MODEL_TYPE",
+                        help="write a tiny config.json of any transformers model type (qwen3, deepseek_v3, ...) "
+                             "to -o DIR: its own defaults with every size shrunk, to train on a CPU")
+    parser.add_argument("-o", "--output", metavar="DIR", help="with --tiny: the model directory to write")
+    parser.add_argument("--clear-cache", action="store_true",
+                        help=f"delete the derived-spec cache ({spec_cache.cache_dir()}); entries are derived again on use")
 
 
 def format_params(n: int) -> str:
@@ -38,6 +51,20 @@ def format_table(specs) -> str:
 
 
 def run(args) -> int:
+    if args.clear_cache:
+        print(f"removed {spec_cache.clear()} cached spec(s) from {spec_cache.cache_dir()}")
+        return 0
+    if args.tiny:
+        if not args.output:
+            raise ShardfitError("--tiny needs -o DIR: the model directory to write config.json into")
+        target = Path(args.output) / "config.json"
+        if target.exists():
+            raise ShardfitError(f"{target} exists: choose another -o directory (nothing was written)")
+        write_files({"config.json": json.dumps(tiny_config(args.tiny), indent=2) + "\n"}, target, single=True)
+        spec = load_model_spec(str(target.parent))
+        print(f"wrote {target}: {spec.model_class}, {format_params(spec.n_params)} params, {spec.num_layers} layers; "
+              f"next: shardfit train --model {target.parent} --strategy fsdp2 --nproc 2")
+        return 0
     specs = [load_model_spec(args.model)] if args.model else list_presets()
     if args.json:
         print(json.dumps([s.to_dict() for s in specs], indent=2))

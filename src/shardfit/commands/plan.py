@@ -8,7 +8,8 @@ from pathlib import Path
 
 from shardfit.errors import ShardfitError
 
-ALL_STRATEGIES = ("ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard", "fsdp:no_shard", "fsdp2",
+# single is listed only for a one-GPU cluster: everywhere else it is not a way to run the plan.
+ALL_STRATEGIES = ("single", "ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard", "fsdp:no_shard", "fsdp2",
                   "zero1", "zero2", "zero3", "zero2+offload", "zero3+offload")
 
 
@@ -22,14 +23,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--gpus", type=int, default=None, help="total GPUs (default 8; nodes of 8 above 8 GPUs)")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (GPUs per node = --gpus / --nodes)")
     parser.add_argument("--strategy", "--strategies", action="append", default=None, dest="strategy",
-                        help="one or more (comma-separated or repeated): ddp, fsdp:{full_shard,shard_grad_op,"
+                        help="one or more (comma-separated or repeated): single (one GPU), ddp, fsdp:{full_shard,shard_grad_op,"
                              "hybrid_shard,no_shard}, fsdp2[:no_reshard], zero1, zero2, zero3, +offload; default all")
     parser.add_argument("--precision", default=None, help="fp32 | fp16 | bf16 (mixed, fp32 master) | bf16-pure")
     parser.add_argument("--optimizer", default=None, help="adamw | adamw8bit | sgd | lion | adafactor")
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None, help="sequence length")
     parser.add_argument("--grad-accum", type=int, default=None)
-    parser.add_argument("--ac", default=None, help="activation checkpointing: none | full | every-N")
+    parser.add_argument("--ac", default=None, help="activation checkpointing: none | selective (per-op: matmul and attention outputs kept) | full | every-N")
     parser.add_argument("--attention", default=None, help="sdpa (flash, no s*s scores) | eager")
     parser.add_argument("--lora-r", type=int, default=None, help="LoRA rank (turns LoRA on)")
     parser.add_argument("--lora-targets", default=None, help="comma-separated modules, e.g. q_proj,v_proj or all-linear")
@@ -143,14 +144,15 @@ def strategies_for(args, plan):
         names = [n.strip() for item in args.strategy for n in item.split(",") if n.strip()]
         explicit = True
         if not names:
-            raise ShardfitError("--strategy is empty: give one or more of ddp, fsdp, fsdp2, zero1, zero2, zero3 (comma-separated)")
+            raise ShardfitError("--strategy is empty: give one or more of single, ddp, fsdp, fsdp2, zero1, zero2, zero3 (comma-separated)")
     elif args.model is not None and _is_plan_file(args.model):
         strategy = _with_offload(base, args.offload, args.nvme_path)
         if args.nvme_path:
             strategy = replace(strategy, nvme_path=args.nvme_path)
         return [(strategy, True)]
     else:
-        names, explicit = list(ALL_STRATEGIES), False
+        names = [n for n in ALL_STRATEGIES if n != "single" or plan.cluster.world_size == 1]
+        explicit = False
     out = []
     for name in names:
         strategy = replace(parse_strategy(name), **knobs)

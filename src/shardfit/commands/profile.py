@@ -18,18 +18,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("plan", nargs="?", help="plan YAML/JSON (default: tiny-llama, ddp, fp32 on 2 CPU ranks)")
     group = parser.add_argument_group("plan overrides")
     group.add_argument("--model", help="preset name, local config path, or pkg.module:fn")
-    group.add_argument("--strategy", help="ddp, fsdp[:shard_grad_op], fsdp2, zero1, zero2, zero3, +offload")
+    group.add_argument("--strategy", help="single (one rank), ddp, fsdp[:shard_grad_op], fsdp2, zero1, zero2, zero3, "
+                                          "+offload")
     group.add_argument("--precision", help="fp32, bf16, fp16, bf16-pure")
     group.add_argument("--micro-batch", type=int, dest="micro_batch")
     group.add_argument("--seq", type=int, help="sequence length")
     group.add_argument("--grad-accum", type=int, dest="grad_accum")
-    group.add_argument("--ac", help="activation checkpointing: none, full, every-N")
+    group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
     group.add_argument("--bucket", type=float, help="DeepSpeed reduce/allgather/prefetch bucket size (elements)")
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=2, help="steps to run; the last is reported (default 2)")
     run.add_argument("--checkpoint", action="store_true", help="also measure a checkpoint save")
     run.add_argument("--memory-budget", "--budget", dest="budget", type=float, help="memory budget in bytes: an OOM is raised (and explained) above it")
-    run.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    run.add_argument("--nproc", type=int, default=None, help="ranks (default 2; 1 for strategy single)")
     run.add_argument("--timeout", type=float, default=900, help="seconds before the run is declared hung")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the full result as JSON")
@@ -76,7 +77,7 @@ def build_plan_dict(args) -> dict:
             training[key] = getattr(args, flag)
     cluster = dict(data.get("cluster") or {})
     cluster.setdefault("nodes", 1)
-    cluster["gpus_per_node"] = args.nproc
+    cluster["gpus_per_node"] = args.nproc or (1 if strategy.get("kind") == "single" else 2)
     data.update(training=training, strategy=strategy, cluster=cluster)
     return data
 
@@ -109,7 +110,7 @@ def _free_port() -> int:
 def run(args) -> int:
     from shardfit.errors import ShardfitError
 
-    if args.nproc < 1:
+    if args.nproc is not None and args.nproc < 1:
         raise ShardfitError("--nproc must be at least 1")
     import math
     from pathlib import Path
@@ -139,7 +140,8 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         configs, out = Path(tmp) / "configs.json", Path(tmp) / "out.jsonl"
         configs.write_text(json.dumps([config]))
-        done = _launch(["-m", "shardfit.measure.worker", str(configs), str(out)], args.nproc, args.timeout)
+        done = _launch(["-m", "shardfit.measure.worker", str(configs), str(out)], plan.cluster.world_size,
+                       args.timeout)
         if not out.exists():
             tail = (done.stderr or "").strip().splitlines()[-5:]
             raise ShardfitError("the profiled run failed before reporting: " + " | ".join(tail))
@@ -166,7 +168,7 @@ def _print_result(result: dict, plan, args) -> int:
         return 3 if result.get("error") == "oom" else 0
     title = (f"{plan.model.name} · {result['label']} · {plan.training.precision} · micro-batch "
              f"{plan.training.micro_batch} × seq {plan.training.seq_len} · AC {plan.training.activation_checkpointing}"
-             f" · {args.nproc} ranks · worst rank per phase")
+             f" · {plan.cluster.world_size} rank{'' if plan.cluster.world_size == 1 else 's'} · worst rank per phase")
     if result.get("error") == "oom":
         # A step cut short by the OOM can't be compared with a whole predicted step.
         print(format_phase_table(result["measured"], title=title + " · measured until the OOM"))
@@ -198,7 +200,7 @@ def _run_script(args) -> int:
         launch_args = ["-m", "shardfit.measure.script_runner", tmp, str(script), *args.script_args]
         if args.budget:
             os.environ["SHARDFIT_MEMORY_BUDGET"] = str(int(args.budget))
-        done = _launch(launch_args, args.nproc, args.timeout)
+        done = _launch(launch_args, args.nproc or 2, args.timeout)
         files = sorted(Path(tmp).glob("rank*.json"))
         if not files:
             tail = (done.stderr or "").strip().splitlines()[-5:]

@@ -1,7 +1,8 @@
-"""`shardfit train [PLAN.yaml]`: train a Plan on DDP, FSDP, FSDP2 or DeepSpeed ZeRO.
+"""`shardfit train [PLAN.yaml]`: train a Plan on one device (single), DDP, FSDP, FSDP2 or DeepSpeed ZeRO.
 
 Outside a distributed launch it starts itself under torchrun (--nproc ranks per node; several
 nodes with --nnodes/--node-rank/--rdzv-endpoint), so one command works on a laptop and a cluster.
+A single-device plan runs under torchrun too, with one rank: the same loop, checkpoints and restarts.
 """
 from __future__ import annotations
 
@@ -13,13 +14,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("plan", nargs="?", help="plan YAML (default: tiny-llama on CPU, fp32, 20 steps)")
     group = parser.add_argument_group("plan overrides")
     group.add_argument("--model", help="preset name, local config/model directory, or pkg.module:fn")
-    group.add_argument("--strategy", help="ddp, fsdp[:hybrid_shard], fsdp2[:no_reshard], zero1, zero2, zero3, +offload")
+    group.add_argument("--strategy", help="single (one device), ddp, fsdp[:hybrid_shard], fsdp2[:no_reshard], zero1, "
+                                          "zero2, zero3, +offload")
     group.add_argument("--precision", help="fp32, bf16, fp16, bf16-pure")
     group.add_argument("--steps", type=int)
     group.add_argument("--micro-batch", type=int, dest="micro_batch")
     group.add_argument("--seq", type=int, help="maximum sequence length (batches are padded to their longest)")
     group.add_argument("--grad-accum", type=int, dest="grad_accum")
-    group.add_argument("--ac", help="activation checkpointing: none, full, every-N")
+    group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
     group.add_argument("--lr", type=float)
     group.add_argument("--seed", type=int)
     group.add_argument("--lora-rank", type=int, dest="lora_rank", help="train LoRA adapters of this rank")
@@ -49,7 +51,7 @@ def add_arguments(parser) -> None:
                         help="torchrun restarts after a failure; each resumes from the newest intact checkpoint "
                              "(default 0, 4 with --autopilot)")
     launch = parser.add_argument_group("launch")
-    launch.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2)")
+    launch.add_argument("--nproc", type=int, default=None, help="ranks per node (default 2; 1 for strategy single)")
     launch.add_argument("--nnodes", type=int, default=1)
     launch.add_argument("--node-rank", type=int, default=0, dest="node_rank")
     launch.add_argument("--rdzv-endpoint", dest="rdzv_endpoint", help="HOST:PORT of node 0 (multi-node)")
@@ -57,13 +59,15 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from shardfit.errors import ShardfitError
-    from shardfit.train.launch import build_plan, inside_launch
+    from shardfit.train.launch import build_plan, default_nproc, inside_launch
 
-    if args.nproc < 1 or args.nnodes < 1:
+    if (args.nproc is not None and args.nproc < 1) or args.nnodes < 1:
         raise ShardfitError("--nproc and --nnodes must be at least 1")
     from shardfit.train import supervise
 
     if not inside_launch():
+        if args.nproc is None:
+            args.nproc = default_nproc(args)
         supervise.check_run(build_plan(args), args, inside=False)  # fail fast, here, on a bad plan or flag
         supervise.export_env(args)
         restarts = args.max_restarts if args.max_restarts is not None else (4 if args.autopilot else 0)

@@ -77,8 +77,8 @@ def _strategy(setup: Setup, **changes) -> Strategy | None:
         if sharding == "hybrid_shard":
             sharding = "full_shard"  # memory per rank of hybrid = full shard inside the group
         return Strategy(kind="fsdp", sharding=sharding, offload_params="cpu" if values["offload_params"] else None)
-    if engine == "ddp":
-        return Strategy(kind="ddp")
+    if engine in ("ddp", "single"):
+        return Strategy(kind=engine)
     return None
 
 

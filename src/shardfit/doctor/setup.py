@@ -15,7 +15,7 @@ from shardfit.errors import ShardfitError
 @dataclass(frozen=True, kw_only=True)
 class Setup:
     """What the configs say. None = not stated (the rules then stay quiet rather than guess)."""
-    engine: str | None = None  # deepspeed | fsdp | fsdp2 | ddp
+    engine: str | None = None  # deepspeed | fsdp | fsdp2 | ddp | single
     zero_stage: int | None = None
     sharding: str | None = None  # FSDP: full_shard | shard_grad_op | hybrid_shard | no_shard
     auto_wrap: bool | None = None
@@ -141,6 +141,8 @@ def from_accelerate(d: dict, path: Path) -> dict:
         par = d.get("parallelism_config") or {}
         if _int(par.get("parallelism_config_dp_replicate_size")) and _int(par.get("parallelism_config_dp_shard_size")):
             facts["shard_group_size"] = _int(par["parallelism_config_dp_shard_size"])
+    elif kind == "NO" and (facts["world_size"] or 1) == 1:
+        facts["engine"] = "single"  # one process: accelerate wraps nothing
     elif kind in ("MULTI_GPU", "NO"):
         facts["engine"] = "ddp"
     if facts.get("engine") == "fsdp" and facts.get("sharding") == "hybrid_shard" and facts["world_size"] and facts["nodes"]:

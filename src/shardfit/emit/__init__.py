@@ -3,6 +3,7 @@
 Each format is one function `Plan, EmitOptions -> Emitted` (file name -> text, plus notes)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from shardfit.emit.accelerate import emit_accelerate
@@ -10,15 +11,17 @@ from shardfit.emit.common import Emitted, EmitOptions, write_files
 from shardfit.emit.deepspeed import emit_deepspeed
 from shardfit.emit.fsdp import emit_fsdp
 from shardfit.emit.launch import emit_deepspeed_launcher, emit_slurm, emit_torchrun
+from shardfit.emit.single import emit_single
 from shardfit.emit.trainers import emit_hf_trainer, emit_lightning
 from shardfit.errors import ShardfitError
-from shardfit.spec.plan import Plan
+from shardfit.spec.plan import Plan, is_selective_ac
 
 FORMATS = {
     "deepspeed": emit_deepspeed,
     "accelerate": emit_accelerate,
     "fsdp": partial(emit_fsdp, version=1),
     "fsdp2": partial(emit_fsdp, version=2),
+    "single": emit_single,
     "lightning": emit_lightning,
     "hf-trainer": emit_hf_trainer,
     "torchrun": emit_torchrun,
@@ -33,7 +36,18 @@ def emit(plan: Plan, fmt: str, options: EmitOptions | None = None) -> Emitted:
            "sbatch": "slurm", "ds-launcher": "deepspeed-launcher"}.get(key, key)
     if key not in FORMATS:
         raise ShardfitError(f"unknown format '{fmt}': use one of {', '.join(FORMATS)}")
-    return FORMATS[key](plan, options or EmitOptions())
+    emitted = FORMATS[key](plan, options or EmitOptions())
+    if key in _NO_SELECTIVE_SETTING and is_selective_ac(plan.training.activation_checkpointing):
+        emitted = replace(emitted, notes=emitted.notes + (_SELECTIVE_NOTE.format(fmt=key),))
+    return emitted
+
+
+# Formats whose tool has no per-op selective checkpointing setting: they checkpoint whole blocks.
+_NO_SELECTIVE_SETTING = ("accelerate", "hf-trainer", "lightning", "deepspeed")
+_SELECTIVE_NOTE = ("{fmt} has no per-op selective checkpointing setting, so this config checkpoints whole blocks "
+                   "(more recompute, less memory than the plan's selective); to run the plan's policy, pass "
+                   "context_fn=shardfit.sac.context_fn to torch.utils.checkpoint (activation_checkpointing_kwargs "
+                   "/ checkpoint_wrapper) in your code, as `shardfit emit --format fsdp2` does")
 
 
 __all__ = ["FORMATS", "EmitOptions", "Emitted", "emit", "write_files"]

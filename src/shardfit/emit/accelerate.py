@@ -79,6 +79,10 @@ def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]
                 config["parallelism_config"] = {"parallelism_config_dp_replicate_size": c.world_size // group,
                                                 "parallelism_config_dp_shard_size": group}
         config["fsdp_config"] = fsdp
+    elif s.kind == "single":
+        # One process on one device: accelerate prepares the model without any wrapper.
+        config["distributed_type"] = "NO"
+        config["gpu_ids"] = "all"  # the first visible GPU; "0" would override a scheduler's CUDA_VISIBLE_DEVICES
     else:
         config["distributed_type"] = "MULTI_GPU" if c.world_size > 1 else "NO"
         if c.nodes == 1:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shardfit.errors import ShardfitError
 from shardfit.spec.model_spec import ModelSpec
-from shardfit.spec.plan import Plan, parse_activation_checkpointing
+from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
 PRESETS = Path(__file__).resolve().parents[1] / "spec" / "presets"
 
@@ -79,6 +79,75 @@ def block_module(spec: ModelSpec) -> str:
 
 def ac_every(plan: Plan) -> int:
     return parse_activation_checkpointing(plan.training.activation_checkpointing)
+
+
+# Per-op selective checkpointing in an emitted script: the policy shardfit's engines run (shardfit/sac.py),
+# written out so the script needs no shardfit. Inserted after the templates are dedented.
+_SAC_CODE = '''
+
+def selective_checkpoint_wrapper(module):
+    # Per-op selective activation checkpointing (torchtitan's "op" mode): keep the outputs of the
+    # attention kernel and of every other matmul; recompute the rest in backward.
+    from collections import defaultdict
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    keep = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def context_fn():
+        counts = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            if func is aten.mm.default:
+                counts[ctx.is_recompute] += 1
+                saved = counts[ctx.is_recompute] % 2 == 1
+            else:
+                saved = func in keep
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    return checkpoint_wrapper(module, context_fn=context_fn)
+'''
+
+
+# build_model() and apply_activation_checkpointing() as every emitted training script has them.
+_MODEL_FUNCTIONS = '''def build_model():
+    # Random init from the config. For pretrained weights: AutoModelForCausalLM.from_pretrained(...).
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = dict(MODEL_CONFIG)
+    config = AutoConfig.for_model(config.pop("model_type"), **config)
+    config.use_cache = False  # the KV cache breaks recomputation under activation checkpointing
+    model = AutoModelForCausalLM.from_config(config)
+    if LORA:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
+    return model
+{sac_code}
+
+def apply_activation_checkpointing(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        {ac_imports})
+    blocks = [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]
+    chosen = {{id(m) for m in blocks[::AC_EVERY]}}
+    apply_ac(model, checkpoint_wrapper_fn={ac_wrapper}, check_fn=lambda m: id(m) in chosen)
+'''
+
+
+def model_functions(plan: Plan) -> str:
+    """The emitted scripts' model builder and checkpointing (dedented: insert after the template is)."""
+    sac_code, wrapper = ac_wrapper(plan)
+    imports = "apply_activation_checkpointing as apply_ac" + (", checkpoint_wrapper" if wrapper == "checkpoint_wrapper" else "")
+    return _MODEL_FUNCTIONS.format(sac_code=sac_code, ac_wrapper=wrapper, ac_imports=imports)
+
+
+def ac_wrapper(plan: Plan) -> tuple[str, str]:
+    """(extra script code, checkpoint wrapper name) for the plan's activation checkpointing."""
+    if is_selective_ac(plan.training.activation_checkpointing):
+        return _SAC_CODE, "selective_checkpoint_wrapper"
+    return "", "checkpoint_wrapper"
 
 
 def launch_entry(options: EmitOptions) -> str:

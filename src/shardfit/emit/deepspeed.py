@@ -43,7 +43,7 @@ def deepspeed_config(plan: Plan) -> dict:
     s, t, sched = plan.strategy, plan.training, plan.schedule
     if not s.is_deepspeed:
         raise ShardfitError(f"the plan's strategy is {s.label}, not DeepSpeed: use --format "
-                            f"{'fsdp' if s.kind == 'fsdp' else 'fsdp2' if s.kind == 'fsdp2' else 'torchrun'}, "
+                            f"{s.kind if s.kind in ('single', 'fsdp', 'fsdp2') else 'torchrun'}, "
                             "or set strategy.kind to zero1/zero2/zero3")
     config: dict = {
         "train_batch_size": plan.global_batch,

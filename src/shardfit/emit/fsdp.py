@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
-from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, hf_config
+from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, hf_config, model_functions
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
 
@@ -38,25 +38,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     MODEL_CONFIG = {config}
 
 
-    def build_model():
-        # Random init from the config. For pretrained weights: AutoModelForCausalLM.from_pretrained(...).
-        from transformers import AutoConfig, AutoModelForCausalLM
-        config = dict(MODEL_CONFIG)
-        config = AutoConfig.for_model(config.pop("model_type"), **config)
-        config.use_cache = False  # the KV cache breaks recomputation under activation checkpointing
-        model = AutoModelForCausalLM.from_config(config)
-        if LORA:
-            from peft import LoraConfig, get_peft_model
-            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **LORA))
-        return model
-
-
-    def apply_activation_checkpointing(model):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            apply_activation_checkpointing as apply_ac, checkpoint_wrapper)
-        blocks = [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]
-        chosen = {{id(m) for m in blocks[::AC_EVERY]}}
-        apply_ac(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in chosen)
+    {model_functions}
 
 
     def batches(vocab, device, rank):
@@ -204,7 +186,7 @@ def fsdp_script(plan: Plan, version: int) -> str:
                   micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
                   steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
-                  ac_every=ac_every(plan), group=group, dtype=_DTYPES[t.precision], lora=repr(lora),
+                  ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision], lora=repr(lora),
                   config=repr(dict(sorted(config.items()))))
     if version == 2:
         body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
@@ -232,8 +214,9 @@ def _check_kind(plan: Plan, version: int) -> list[str]:
         return []
     if kind == "zero3":
         return [f"the plan says {kind}; the FSDP{version} equivalent (full shard) is written instead"]
+    other = "single" if kind == "single" else "deepspeed or torchrun"
     raise ShardfitError(f"the plan's strategy is {plan.strategy.label}: FSDP scripts are for fsdp/fsdp2/zero3 plans; "
-                        "use --format deepspeed or torchrun")
+                        f"use --format {other}")
 
 
 def emit_fsdp(plan: Plan, options: EmitOptions, version: int = 1) -> Emitted:

@@ -1,15 +1,22 @@
-"""Launch commands: torchrun (single- and multi-node), the DeepSpeed launcher with a hostfile, SLURM."""
+"""Launch commands: torchrun (single- and multi-node), the DeepSpeed launcher with a hostfile, SLURM.
+A single-device plan is launched as one plain `python` process: no torchrun, no rendezvous."""
 from __future__ import annotations
 
 from shardfit.emit.common import Emitted, EmitOptions, launch_entry
+from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
+
+
+def python_command(options: EmitOptions) -> str:
+    # NOTE: `python -m shardfit train PLAN` starts its own one-rank torchrun for a single plan; a user
+    # script runs as it is, with no process group (so HF Trainer / Accelerate wrap nothing).
+    return f"python {launch_entry(options)}"
 
 
 def _hosts(plan: Plan, options: EmitOptions) -> list[str]:
     nodes = plan.cluster.nodes
     if options.hosts:
         if len(options.hosts) != nodes:
-            from shardfit.errors import ShardfitError
             raise ShardfitError(f"--hosts names {len(options.hosts)} host(s) but the plan has {nodes} node(s)")
         return list(options.hosts)
     return ["localhost"] if nodes == 1 else [f"node-{i}" for i in range(nodes)]
@@ -29,7 +36,9 @@ def emit_torchrun(plan: Plan, options: EmitOptions) -> Emitted:
     c = plan.cluster
     lines = ["#!/usr/bin/env bash", f"# {plan.model.name}: {plan.strategy.label}, {c.nodes} node(s) x {c.gpus_per_node} GPU(s)",
              "set -euo pipefail"]
-    if c.nodes == 1:
+    if plan.strategy.kind == "single":
+        lines += ["# one device, one process: no torchrun", python_command(options)]
+    elif c.nodes == 1:
         lines += ["# single node", torchrun_command(plan, options)]
     else:
         lines += ["# multi-node: run this same script on every node; MASTER_ADDR = the first node's address",
@@ -40,6 +49,9 @@ def emit_torchrun(plan: Plan, options: EmitOptions) -> Emitted:
 
 def emit_deepspeed_launcher(plan: Plan, options: EmitOptions) -> Emitted:
     c = plan.cluster
+    if plan.strategy.kind == "single":
+        raise ShardfitError("a single-device plan needs no launcher: use --format torchrun (one plain python "
+                            "process) or --format single (a runnable script)")
     hosts = _hosts(plan, options)
     hostfile = "".join(f"{host} slots={c.gpus_per_node}\n" for host in hosts)
     entry = launch_entry(options)
@@ -58,6 +70,15 @@ def emit_deepspeed_launcher(plan: Plan, options: EmitOptions) -> Emitted:
 def emit_slurm(plan: Plan, options: EmitOptions) -> Emitted:
     c = plan.cluster
     cpus = max(4 * c.gpus_per_node, 8)
+    if plan.strategy.kind == "single":
+        # One GPU, one process: no rendezvous, and no --exclusive (the rest of the node stays shared).
+        lines = ["#!/bin/bash", f"#SBATCH --job-name=shardfit-{plan.model.name}", "#SBATCH --nodes=1",
+                 "#SBATCH --ntasks=1", "#SBATCH --gpus=1", f"#SBATCH --cpus-per-task={cpus}",
+                 f"#SBATCH --time={options.time_limit}", "#SBATCH --output=%x-%j.out", "set -euo pipefail",
+                 f"# single (one device), micro-batch {plan.training.micro_batch} x accumulation "
+                 f"{plan.training.grad_accum} = global batch {plan.global_batch}",
+                 f"export OMP_NUM_THREADS={cpus}", f"srun {python_command(options)}"]
+        return Emitted(files={"train.sbatch": "\n".join(lines) + "\n"})
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=shardfit-{plan.model.name}",

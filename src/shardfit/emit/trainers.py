@@ -33,8 +33,9 @@ def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str
         "optim": _HF_OPTIM[t.optimizer],
         "bf16": t.precision in ("bf16", "bf16-pure"),
         "fp16": t.precision == "fp16",
-        "ddp_find_unused_parameters": False,
     }
+    if s.kind != "single":  # one device: no DDP wrapper to configure
+        args["ddp_find_unused_parameters"] = False
     if sched.save_every:
         args["save_steps"] = sched.save_every
     every = ac_every(plan)
@@ -65,6 +66,9 @@ def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str
             config["sync_module_states"] = True
         args["fsdp"] = True
         args["fsdp_config"] = config
+    if s.kind == "single":
+        notes.append("one device: launch with `python train.py`; with one process the Trainer wraps nothing "
+                     "(no DDP, FSDP or DeepSpeed)")
     if t.lora is not None:
         notes.append(f"LoRA is set on the model, not in TrainingArguments: peft.LoraConfig(r={t.lora.rank}, "
                      f"lora_alpha={t.lora.alpha}, target_modules={list(t.lora.target_modules)})")
@@ -106,6 +110,8 @@ def emit_lightning(plan: Plan, options: EmitOptions) -> Emitted:
                   "# FSDP2 in Lightning: apply fully_shard per block (then the root) in LightningModule.configure_model,",
                   "# e.g. with the shard() function of `shardfit emit --format fsdp2`.",
                   f"strategy = ModelParallelStrategy(data_parallel_size={group}, tensor_parallel_size=1)"]
+    elif s.kind == "single":
+        lines += ["", 'strategy = "auto"  # one device: Lightning runs SingleDeviceStrategy, no DDP wrapper']
     else:
         lines += ["", f'strategy = "{"ddp" if c.world_size > 1 else "auto"}"']
     lines += ["", "trainer = L.Trainer(", '    accelerator="gpu",', f"    devices={c.gpus_per_node},",

@@ -1,11 +1,11 @@
-"""Four engines, one interface: `setup(plan, model, ctx) -> Engine` (see base.Engine)."""
+"""Five engines, one interface: `setup(plan, model, ctx) -> Engine` (see base.Engine)."""
 from __future__ import annotations
 
 import importlib
 
 from shardfit.errors import ShardfitError
 
-MODULES = {"ddp": "ddp", "fsdp": "fsdp", "fsdp2": "fsdp2", "zero1": "deepspeed", "zero2": "deepspeed",
+MODULES = {"single": "single", "ddp": "ddp", "fsdp": "fsdp", "fsdp2": "fsdp2", "zero1": "deepspeed", "zero2": "deepspeed",
            "zero3": "deepspeed"}
 
 

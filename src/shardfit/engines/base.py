@@ -1,7 +1,7 @@
 """What every engine shares: the process group, the Engine record, model preparation (LoRA,
 activation checkpointing, dtype), the optimizer and the LR schedule.
 
-The differences between DDP, FSDP, FSDP2 and DeepSpeed live in the four engine modules and nowhere
+The differences between single, DDP, FSDP, FSDP2 and DeepSpeed live in the engine modules and nowhere
 else; the training loop above only calls the Engine's functions.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from shardfit.errors import ShardfitError
-from shardfit.spec.plan import Plan, parse_activation_checkpointing
+from shardfit import sac
+from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ def prepare_model(plan: Plan, model):
         model = apply_lora(plan, model)
     every = parse_activation_checkpointing(t.activation_checkpointing)
     if every:
-        apply_activation_checkpointing(model, blocks_cls, every)
+        apply_activation_checkpointing(model, blocks_cls, every, selective=is_selective_ac(t.activation_checkpointing))
     if t.precision == "bf16-pure":
         model = model.to(torch.bfloat16)
     return model, blocks_cls
@@ -114,32 +115,98 @@ def apply_lora(plan: Plan, model):
     from peft import LoraConfig, get_peft_model
 
     lora = plan.training.lora
-    if lora.base_dtype in ("int8", "nf4"):
-        raise ShardfitError(f"training with a {lora.base_dtype} base (QLoRA) needs bitsandbytes on CUDA: use base_dtype bf16 or fp32")
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [m for m in lora.target_modules if m not in names]
     if missing:
         raise ShardfitError(f"LoRA target module(s) {', '.join(missing)} not found in {type(model).__name__}: "
                             f"set training.lora.target_modules (e.g. q_proj,v_proj; c_attn for GPT-2)")
+    if lora.base_dtype in ("int8", "nf4"):
+        model = quantize_base(plan, model)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
 
-def apply_activation_checkpointing(model, blocks_cls, every: int) -> None:
-    """Checkpoint every `every`-th block. NOTE: transformers' own mechanism (non-reentrant
-    torch.utils.checkpoint inside each decoder layer) works under every engine, unlike reentrant
-    checkpointing with ZeRO-3 or a wrapper class that changes the FSDP wrap unit."""
+
+# The engines that train a bitsandbytes base. FSDP2 shards nf4's packed uint8 weight per parameter and
+# all-gathers the same bytes (run on 2 CPU ranks: losses equal to one rank's), but its gathered int8
+# weight loses Int8Params.CB; FSDP1 cannot flatten integer tensors; ZeRO is not wired up.
+QLORA_ENGINES = {"nf4": ("single", "ddp", "fsdp2"), "int8": ("single", "ddp")}
+
+
+def quantize_base(plan: Plan, model):
+    """QLoRA as transformers + peft set it up, in place on the built weights: every nn.Linear / Conv1D
+    except the output head becomes a bitsandbytes Linear4bit (nf4, double-quantized absmax) or
+    Linear8bitLt (int8 rows, outlier threshold 6.0), then peft's prepare_model_for_kbit_training
+    freezes the base and upcasts every 16-bit weight it did not quantize to fp32.
+    Source: transformers quantizers/quantizer_bnb_4bit.py + integrations/bitsandbytes.py
+    replace_with_bnb_linear (what from_pretrained(quantization_config=BitsAndBytesConfig(...)) builds);
+    peft utils/other.py prepare_model_for_kbit_training.
+    NOTE: peft enables gradient checkpointing by default (use_gradient_checkpointing=True); here the
+    plan's activation_checkpointing decides, so the run is what the estimate counts."""
+    lora, t = plan.training.lora, plan.training
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise ShardfitError(f"a {lora.base_dtype} base is quantized from real weights and cannot be built on the meta "
+                            "device: use the analytic estimate (shardfit plan) for QLoRA")
+    if plan.strategy.kind not in QLORA_ENGINES[lora.base_dtype]:
+        raise ShardfitError(f"a {lora.base_dtype} base (QLoRA) trains under strategy {', '.join(QLORA_ENGINES[lora.base_dtype])}, "
+                            f"not {plan.strategy.kind}: the bitsandbytes weights do not survive its sharding")
+    if t.precision == "bf16-pure":
+        raise ShardfitError("QLoRA keeps peft's fp32 norms, embeddings and head (prepare_model_for_kbit_training): "
+                            "use precision bf16 (autocast) or fp32, not bf16-pure")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ShardfitError(f"training with a {lora.base_dtype} base (QLoRA) needs bitsandbytes: "
+                            "pip install 'bitsandbytes>=0.45', or use base_dtype bf16 or fp32") from None
+    from peft import prepare_model_for_kbit_training
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    compute = low_precision_dtype(plan) or torch.float32  # bnb_4bit_compute_dtype
+    skip = HfQuantizer.get_modules_to_not_convert(model, None, getattr(model, "_keep_in_fp32_modules", None))
+    for name, module in list(model.named_modules()):
+        if not (type(module) is torch.nn.Linear or isinstance(module, Conv1D)) or not should_convert_module(name, skip):
+            continue
+        # Conv1D keeps its weight as (in, out): bnb's layers are nn.Linear, (out, in).
+        weight = module.weight.data.t() if isinstance(module, Conv1D) else module.weight.data
+        out_features, in_features = weight.shape
+        has_bias = module.bias is not None
+        if lora.base_dtype == "nf4":
+            new = bnb.nn.Linear4bit(in_features, out_features, has_bias, compute_dtype=compute,
+                                    compress_statistics=True, quant_type="nf4", device="meta")
+            new.weight = bnb.nn.Params4bit(weight.to(compute).contiguous(), requires_grad=False,
+                                           compress_statistics=True, quant_type="nf4", module=new)
+        else:
+            new = bnb.nn.Linear8bitLt(in_features, out_features, has_bias, has_fp16_weights=False, threshold=6.0,
+                                      device="meta")
+            new.weight = bnb.nn.Int8Params(weight.to(torch.float16).contiguous(), requires_grad=False,
+                                           has_fp16_weights=False)
+        if has_bias:
+            new.bias = torch.nn.Parameter(module.bias.data, requires_grad=False)
+        model.set_submodule(name, new.to(weight.device))  # Params4bit / Int8Params quantize on .to()
+    # peft builds its bnb LoRA layers (lora/bnb.py) only for a model flagged the way transformers flags it.
+    setattr(model, "is_loaded_in_4bit" if lora.base_dtype == "nf4" else "is_loaded_in_8bit", True)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def apply_activation_checkpointing(model, blocks_cls, every: int, selective: bool = False) -> None:
+    """Checkpoint every `every`-th block; `selective`: under the per-op SAC policy (shardfit/sac.py).
+    NOTE: transformers' own mechanism (non-reentrant torch.utils.checkpoint inside each decoder
+    layer) works under every engine, unlike reentrant checkpointing with ZeRO-3 or a wrapper class
+    that changes the FSDP wrap unit; both paths hand SAC's context_fn to torch.utils.checkpoint."""
     inner = unwrap(model)
+    kwargs = {"use_reentrant": False, **({"context_fn": sac.context_fn} if selective else {})}
     if not getattr(inner, "supports_gradient_checkpointing", False):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             CheckpointImpl, apply_activation_checkpointing as wrap_ac, checkpoint_wrapper)
         blocks = [m for m in model.modules() if isinstance(m, blocks_cls)]
         chosen = {id(b) for i, b in enumerate(blocks) if i % every == 0}
-        wrap_ac(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        extra = {"context_fn": sac.context_fn} if selective else {}
+        wrap_ac(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra),
                 check_fn=lambda m: id(m) in chosen)
         return
-    kwargs = {"use_reentrant": False}
     if hasattr(inner, "activation_checkpointing_enable"):  # transformers >= 5: every-N built in
         inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
         return
@@ -165,7 +232,15 @@ def build_optimizer(plan: Plan, params):
                                  foreach=foreach)
     if t.optimizer == "sgd":
         return torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=s.weight_decay, foreach=foreach)
-    raise ShardfitError(f"optimizer '{t.optimizer}' is not supported by `shardfit train` yet: use adamw or sgd")
+    if t.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ShardfitError("optimizer adamw8bit needs bitsandbytes: pip install 'bitsandbytes>=0.45', or use adamw") from None
+        # NOTE: not the paged variant (HF's paged_adamw_8bit): it keeps the same states in CUDA unified
+        # memory, which torch's allocator statistics do not see (bitsandbytes falls back to this one on CPU).
+        return bnb.optim.AdamW8bit(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95), eps=1e-8)
+    raise ShardfitError(f"optimizer '{t.optimizer}' is not supported by `shardfit train` yet: use adamw, adamw8bit or sgd")
 
 
 def lr_lambda(plan: Plan) -> Callable[[int], float]:
@@ -187,7 +262,7 @@ def build_scheduler(plan: Plan, optimizer):
 
 
 def autocast(plan: Plan, ctx: DistContext):
-    """bf16 / fp16 autocast for engines that keep fp32 parameters (DDP); FSDP's mixed-precision
+    """bf16 / fp16 autocast for engines that keep fp32 parameters (single, DDP); FSDP's mixed-precision
     policies cast the parameters themselves, and pure bf16 needs nothing."""
     precision = plan.training.precision
     if precision in ("bf16", "fp16"):

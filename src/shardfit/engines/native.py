@@ -1,4 +1,4 @@
-"""The part DDP, FSDP and FSDP2 share: the micro-step, the optimizer step with clipping and loss
+"""The part single, DDP, FSDP and FSDP2 share: the micro-step, the optimizer step with clipping and loss
 scaling, and DCP checkpoints (sharded, resharding on load, so another world size can resume)."""
 from __future__ import annotations
 

@@ -18,10 +18,14 @@ Bytes are per token (b*s) unless named per position; `quad` terms multiply by s 
 """
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 
+from shardfit.estimate.derived import load_coefficients, twin
 from shardfit.estimate.states import DTYPE_BYTES
+from shardfit.spec.models import PRESETS_DIR
 from shardfit.estimate.states import block_linears as _linears
+from shardfit.estimate.states import lora_adapter_params, model_linears
 
 # regime: "fp32" (4-byte everything), "half" (module params 16-bit: FSDP MixedPrecision, DeepSpeed,
 # pure bf16, LoRA on a 16-bit base), "autocast" (fp32 params under torch.autocast: DDP mixed).
@@ -32,12 +36,138 @@ class Profile:
     __slots__ = ("block", "block_quad", "block_items", "head", "head_items", "ckpt_input",
                  "loss_fwd_temp", "loss_bwd_temp", "bwd_work", "bwd_work_quad", "attn_fwd_temp_quad",
                  "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "block_const", "head_const",
-                 "first_block_discount")
+                 "first_block_discount", "block_per_position", "block_per_position_quad", "block_per_sample",
+                 "head_quad", "head_per_position_quad", "head_per_sample", "source")
+
+    def __init__(self):
+        # Terms only traced profiles have (broadcast position tables and masks, per-sequence tensors).
+        self.block_per_position = self.block_per_position_quad = self.block_per_sample = 0
+        self.head_quad = self.head_per_position_quad = self.head_per_sample = 0
+        self.source = "Korthikanti et al. 2022 adapted to the HF block (see activations.py)"
 
 
 def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda") -> Profile:
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
+    if model.derived:
+        return _derived_profile(model, regime, attention, key_lora, device)
     return _profile(model, regime, attention, key_lora, device)
+
+
+@lru_cache(maxsize=256)
+def _derived_profile(model, regime, attention, lora, device) -> Profile:
+    """Coefficients traced from the model's own forward (estimate/derived.py, cached on disk), with
+    the temporaries the trace does not see (loss, backward working set) from the shapes, as below.
+    NOTE: the trace runs CPU kernels; only dropout masks differ on CUDA (bool there)."""
+    c = load_coefficients(model, regime, attention, lora)
+    counts = [count for _, count, _ in model.block_kinds]
+    layers = max(sum(counts), 1)
+
+    def mean(term):
+        return sum(n * kind[term] for n, kind in zip(counts, c["kinds"])) / layers
+
+    p = Profile()
+    p.source = "traced forward of the model's own code at its real widths (estimate/derived.py)"
+    p.block, p.block_quad = mean("per_token"), mean("per_token_s")
+    p.block_per_position, p.block_per_position_quad = mean("per_position"), mean("per_position_s")
+    p.block_per_sample, p.block_const = mean("per_sample"), mean("const")
+    p.block_items = tuple((f"{name} x{n}", kind["per_token"], kind["per_token_s"])
+                          for (name, n, _), kind in zip(model.block_kinds, c["kinds"]))
+    parts = (c["pre"], c["post"], c["first_extra"])
+    p.head = sum(part["per_token"] for part in parts)
+    # Labels "embedding.*" mark what exists before the head runs (the estimator's a_pre_head).
+    p.head_items = (("embedding.and_first_block_extra", c["pre"]["per_token"] + c["first_extra"]["per_token"], 0.0),
+                    ("head.norm_logits_loss", c["post"]["per_token"], 0.0))
+    p.head_quad = sum(part["per_token_s"] for part in parts)
+    p.per_position = sum(part["per_position"] for part in parts)
+    p.head_per_position_quad = sum(part["per_position_s"] for part in parts)
+    p.head_per_sample = sum(part["per_sample"] for part in parts)
+    p.head_const = sum(part["const"] for part in parts)
+    p.weight_copies = sum(n * w for n, w in zip(counts, c["weight_copies"]["kinds"])) / layers
+    p.head_weight_copy = c["weight_copies"]["head"]
+    p.first_block_discount = 0  # the trace measured block 0 as it is (first_extra)
+    _shape_terms(p, model, regime, attention, lora)
+    return p
+
+
+def selective_kept(model, regime: str, attention: str, lora, device: str = "cuda") -> tuple[float, float]:
+    """(per token, per token x s) bytes that per-op selective checkpointing keeps in a checkpointed
+    block beyond its input: the outputs of the matmuls it keeps (every other one) and of the
+    attention kernel, traced under the same policy the engines run (shardfit/sac.py). A hand-written
+    family's spec gets them from its derived twin (derived once, then cached like any config)."""
+    key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
+    return _selective_kept(model, regime, attention, key_lora)
+
+
+@lru_cache(maxsize=256)
+def _selective_kept(model, regime, attention, lora) -> tuple[float, float]:
+    shipped = _shipped_selective().get(model.source) if not model.derived and lora is None else None
+    if shipped is not None:
+        return tuple(shipped[f"{regime}|{attention}"])
+    derived = model if model.derived else twin(model)
+    kinds = load_coefficients(derived, regime, attention, lora)["selective_kinds"]
+    counts = [count for _, count, _ in derived.block_kinds]
+    layers = max(sum(counts), 1)
+    return (sum(n * k["per_token"] for n, k in zip(counts, kinds)) / layers,
+            sum(n * k["per_token_s"] for n, k in zip(counts, kinds)) / layers)
+
+
+def selective_available(model) -> bool:
+    """Whether selective checkpointing can be estimated without an error: a shipped preset or a
+    derived spec's cache, else a trace, which needs torch (checked without importing it)."""
+    from importlib.util import find_spec
+
+    return model.source in _shipped_selective() or find_spec("torch") is not None
+
+
+@lru_cache(maxsize=1)
+def _shipped_selective() -> dict:
+    """The presets' selective-checkpointing terms, traced once and shipped (scripts/trace_presets.py),
+    so a preset's plan stays torch-free; tests hold them equal to a fresh trace."""
+    try:
+        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text())["presets"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _shape_terms(p: Profile, model, regime: str, attention: str, lora) -> None:
+    """The temporaries no saved tensor shows, from the spec's shapes: logits and their fp32 upcast,
+    the loss gradients, one block's backward working set, eager attention's scores, the checkpointed
+    block input, QLoRA's dequantized weight."""
+    h, heads = model.hidden_size, max(model.num_heads, 1)
+    hd = model.head_dim or h // heads
+    qd, kvd = heads * hd, (model.num_kv_heads or heads) * hd
+    inter = model.intermediate_size or 4 * h
+    vocab = model.vocab_size
+    d = 4 if regime == "fp32" else 2
+    res = 2 if regime == "half" else 4
+    p.ckpt_input = res * h
+    # `loss = model(**batch).loss` (HF Trainer, shardfit train) drops the output: the logits live only
+    # while the loss is computed, next to their fp32 upcast when they are 16-bit.
+    p.loss_fwd_temp = d * vocab + (4 * vocab if d != 4 else 0)
+    p.loss_bwd_temp = 8 * vocab
+    # One block's backward working set: grads of the residual stream and of the widest intermediates.
+    width = inter * (max(model.experts_per_token, 1) if model.num_experts else 1)
+    # e.g. SwiGLU backward holds the grads of product, act and up (3 x I) next to the residual grads.
+    p.bwd_work = 2 * res * h + d * max(3 * width, 2 * qd + 2 * kvd)
+    p.bwd_work_quad = (4 + d) * heads if attention == "eager" else 0
+    p.attn_fwd_temp_quad = 2 * d * heads if attention == "eager" else 0
+    p.dequant_temp = qlora_dequant_bytes(model, regime, lora[2]) if lora is not None else 0
+
+
+def qlora_dequant_bytes(model, regime: str, base_dtype: str) -> int:
+    """The one dequantized weight a bitsandbytes matmul holds (forward and backward): the widest
+    block linear. Under autocast / fp32 the input is the fp32 stream peft's upcast leaves."""
+    if base_dtype not in ("nf4", "int8"):
+        return 0
+    widest = max((i * o for _, i, o, _ in model_linears(model)), default=0)
+    if base_dtype == "nf4":
+        # Source: bitsandbytes gemm_4bit (default kernel, and CUDA above ~512 tokens) and
+        # MatMul4Bit.backward: dequantize_4bit of the whole weight in bnb_4bit_compute_dtype, after
+        # dequantize_blockwise of the nested absmax to fp32 (one per 64-block).
+        return widest * (4 if regime == "fp32" else 2) + 4 * -(-widest // 64)
+    # Source: bitsandbytes MatMul8bitFp.forward/backward (CPU) and MatMul8bitLt.backward (CUDA):
+    # CB.to(A.dtype) * SCB, the weight in the input's dtype.
+    return widest * (2 if regime == "half" else 4)
 
 
 @lru_cache(maxsize=512)
@@ -53,6 +183,12 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     trains = lora is None
     targets = set() if lora is None else set(lora[1])
     rank = 0 if lora is None else lora[0]
+    # QLoRA: the frozen base linears are bitsandbytes layers (nf4 Linear4bit / int8 Linear8bitLt).
+    quant = lora[2] if lora is not None and lora[2] in ("nf4", "int8") else None
+    # Source: bitsandbytes Linear4bit.forward returns matmul_4bit(...).to(inp_dtype), and CUDA's
+    # MatMul8bitLt int8_scaled_mm(dtype=A.dtype): under autocast they answer in the fp32 stream's
+    # dtype; CPU's MatMul8bitFp runs F.linear, which autocast casts to 16-bit.
+    mm = 4 if regime == "autocast" and (quant == "nf4" or (quant == "int8" and device == "cuda")) else d
     all_linear = "all-linear" in targets
     drop = model.dropout > 0
     if model.family == "gemma2":
@@ -88,14 +224,23 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     def consumed(label, width, dtype, consumers, already_saved=False):
         """Bytes a tensor costs through the linears that read it."""
         shared = already_saved
+        held = False
         for name in consumers:
             # PEFT all-linear skips the output layer; the MoE router is not an nn.Linear.
             targeted = (all_linear and name not in ("lm_head", "router")) or name in targets
+            # Source: bitsandbytes MatMul8bitFp (CPU: ctx.A) / MatMul8bitLt (CUDA: ctx.tensors) keep their
+            # input for a weight gradient a frozen base never takes, outside save_for_backward.
+            held = held or (quant == "int8" and name not in ("lm_head", "router"))
             if trains:
                 if regime == "autocast" and dtype == 4:
                     add(f"{label}.bf16_cast_for_{name}", 2 * width)
                 else:
                     shared = True
+            elif targeted and quant and regime == "autocast":
+                # Source: peft lora/bnb.py Linear4bit/Linear8bitLt.forward: lora_A gets the fp32 input and
+                # autocast casts it once per adapter (it caches weight casts only); A's output is 16-bit.
+                add(f"{label}.bf16_cast_for_lora_{name}", 2 * width)
+                add(f"{name}.lora_A_out", 2 * rank)
             elif targeted:
                 if dtype == 4:
                     shared = True
@@ -104,6 +249,8 @@ def _profile(model, regime, attention, lora, device) -> Profile:
                 add(f"{name}.lora_A_out", 4 * rank)
         if shared and not already_saved:
             add(label, dtype * width)
+        elif held and not already_saved:
+            add(f"{label}.held_by_int8_linear", dtype * width)
 
     family = model.family
     # Attention half.
@@ -181,16 +328,16 @@ def _profile(model, regime, attention, lora, device) -> Profile:
         up = "c_fc" if family == "gpt2" else "dense"
         down = "c_proj" if family == "gpt2" else "dense"
         consumed("post_norm.out", h, out_dtype, [up])
-        add("mlp.fc_out", d * inter)
+        add("mlp.fc_out", mm * inter)
         if family == "gpt2":
-            add("mlp.gelu_new_intermediates", 3 * d * inter)  # tanh out, 0.5*x, 1+tanh
-        consumed("mlp.act_out", inter, d, [down])
+            add("mlp.gelu_new_intermediates", 3 * mm * inter)  # tanh out, 0.5*x, 1+tanh
+        consumed("mlp.act_out", inter, mm, [down])
     else:
         consumed("post_norm.out", h, out_dtype, ["gate_proj", "up_proj"])
-        add("mlp.gate", d * inter)
-        add("mlp.act", d * inter)
-        add("mlp.up", d * inter)
-        consumed("mlp.act_x_up", inter, d, ["down_proj"])
+        add("mlp.gate", mm * inter)
+        add("mlp.act", mm * inter)
+        add("mlp.up", mm * inter)
+        consumed("mlp.act_x_up", inter, mm, ["down_proj"])
     if family == "gemma2":
         norm("post_feedforward_norm")
     if drop:
@@ -221,17 +368,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     p = Profile()
     p.block, p.block_quad, p.block_items = block, block_quad, block_items
     p.head, p.head_items = head, tuple(head_items)
-    p.ckpt_input = res * h
-    # `loss = model(**batch).loss` (HF Trainer, shardfit train) drops the output: the logits live only
-    # while the loss is computed, next to their fp32 upcast when they are 16-bit.
-    p.loss_fwd_temp = d * vocab + (4 * vocab if d != 4 else 0)
-    p.loss_bwd_temp = 8 * vocab
-    # One block's backward working set: grads of the residual stream and of the widest intermediates.
-    width = inter * (max(model.experts_per_token, 1) if model.num_experts else 1)
-    # e.g. SwiGLU backward holds the grads of product, act and up (3 x I) next to the residual grads.
-    p.bwd_work = 2 * res * h + d * max(3 * width, 2 * qd + 2 * kvd)
-    p.bwd_work_quad = (4 + d) * heads if attention == "eager" else 0
-    p.attn_fwd_temp_quad = 2 * d * heads if attention == "eager" else 0
+    _shape_terms(p, model, regime, attention, lora)
     # Rotary cos/sin (1, s, head_dim) in the hidden dtype; GPT-2's position ids (1, s) int64.
     p.per_position = 2 * hd * res if family not in ("gpt2", "bert") else 8
     # torch.autocast caches a 16-bit copy of every trainable weight it casts, and each linear saves it
@@ -242,19 +379,21 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     block_weights += h * model.num_experts  # the router
     p.weight_copies = 2 * block_weights if autocast_copies else 0
     p.head_weight_copy = 2 * vocab * h if autocast_copies else 0
+    if quant and regime == "autocast":
+        # Source: torch.autocast caches the 16-bit copies of the trainable adapters, which each LoRA
+        # linear saves; the frozen fp32 head (peft's upcast) is cast per call and its copy saved for the
+        # input gradient. bitsandbytes' layers are not cast.
+        p.weight_copies = 2 * lora_adapter_params(model, rank, lora[1]) / max(model.num_layers, 1)
+        p.head_weight_copy = 2 * vocab * h
     p.block_const = p.head_const = 0
     if family == "gemma2" and trains:
         # Gemma's norms save (1 + weight) in fp32: four per block, one final.
         p.block_const = 4 * 4 * h
         p.head_const = 4 * h
     # LoRA freezes the embedding: block 0's input needs no grad, so its first norm saves nothing.
-    own = ("input_norm.input", "input_norm.input_fp32_copy", "input_norm.rsqrt", "input_norm.mean_rstd")
+    own = ("input_norm.input", "input_norm.input_fp32_copy", "input_norm.rsqrt", "input_norm.mean_rstd",
+           "input_norm.out.held_by_int8_linear")
     p.first_block_discount = sum(per for label, per, _ in block_items if label in own) if lora else 0
-    if lora is not None and lora[2] in ("nf4", "int8"):
-        # bitsandbytes dequantizes one weight to 16-bit for each matmul (forward and backward).
-        p.dequant_temp = 2 * max(h * max(qd, inter), 1)
-    else:
-        p.dequant_temp = 0
     return p
 
 
@@ -265,13 +404,19 @@ def checkpointed_blocks(num_layers: int, every: int) -> int:
     return (num_layers + every - 1) // every
 
 
-def saved_activation_bytes(profile: Profile, tokens: int, seq: int, num_layers: int, checkpointed: int) -> tuple:
-    # Source: Korthikanti et al. 2022 sec. 4 (full recompute keeps the block input), adapted per block.
-    per_block = profile.block * tokens + profile.block_quad * tokens * seq
-    blocks = (num_layers - checkpointed) * (per_block + profile.block_const) + checkpointed * profile.ckpt_input * tokens
+def saved_activation_bytes(profile: Profile, tokens: int, seq: int, num_layers: int, checkpointed: int,
+                           selective: tuple = (0.0, 0.0)) -> tuple:
+    # Source: Korthikanti et al. 2022 sec. 4 (full recompute keeps the block input), adapted per block;
+    # selective: what per-op SAC keeps besides the input (selective_kept).
+    samples = tokens // max(seq, 1)
+    per_block = (profile.block * tokens + profile.block_quad * tokens * seq + profile.block_per_position * seq
+                 + profile.block_per_position_quad * seq * seq + profile.block_per_sample * samples)
+    kept = profile.ckpt_input * tokens + selective[0] * tokens + selective[1] * tokens * seq
+    blocks = (num_layers - checkpointed) * (per_block + profile.block_const) + checkpointed * kept
     if not checkpointed:
         blocks -= profile.first_block_discount * tokens
-    head = profile.head * tokens + profile.per_position * seq + profile.head_const
+    head = (profile.head * tokens + profile.head_quad * tokens * seq + profile.per_position * seq
+            + profile.head_per_position_quad * seq * seq + profile.head_per_sample * samples + profile.head_const)
     return int(blocks), int(head), int(per_block)
 
 
@@ -281,4 +426,4 @@ def autocast_weight_copy_bytes(profile: Profile, num_layers: int, checkpointed: 
     return int((num_layers - checkpointed) * profile.weight_copies + profile.head_weight_copy)
 
 
-__all__ = ["Profile", "activation_profile", "checkpointed_blocks", "saved_activation_bytes", "DTYPE_BYTES"]
+__all__ = ["Profile", "activation_profile", "selective_available", "selective_kept", "checkpointed_blocks", "saved_activation_bytes", "DTYPE_BYTES"]

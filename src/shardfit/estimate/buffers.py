@@ -63,6 +63,7 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
         b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
     # The optimizer's largest tensor: FSDP2 shards every param; FSDP1 (use_orig_params) hands it views
     # of the flat shard, where a whole param can sit on one rank.
+    largest = sts.largest_tensor(model, largest)
     biggest = largest // shard + 1 if kind == "fsdp2" else min(largest, max(unit, root) // shard + 1)
     b.opt = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, biggest)
     b.ckpt = tmp.checkpoint_save_bytes(checkpoint, max(unit, root), st.state_bytes)
@@ -86,11 +87,20 @@ def ddp_buffers(s, model, st, impl, optimizer, largest, rec) -> Buffers:
     view = s.ddp_gradient_as_bucket_view
     bucket = tmp.ddp_bucket_bytes(st.grads_full, bucket_view=view)
     b = Buffers(bucket)
-    b.opt = bucket + tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, largest)
+    b.opt = bucket + tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes,
+                                                   *sts.step_scratch_params(model, largest))
     if rec is not None:
         rec("temporaries.ddp_buckets", bucket, "grad bytes (0 with gradient_as_bucket_view)",
             {"gradient_as_bucket_view": view, "bucket_cap_mb": s.ddp_bucket_cap_mb},
             "torch DDP Reducer: flat buckets covering every gradient, allocated at wrap time")
+    return b
+
+
+def single_buffers(model, st, impl, optimizer, largest) -> Buffers:
+    """One device, no wrapper: DDP minus its reducer, so nothing but the optimizer step's scratch."""
+    b = Buffers()
+    b.opt = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes,
+                                          *sts.step_scratch_params(model, largest))
     return b
 
 

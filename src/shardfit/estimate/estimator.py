@@ -36,6 +36,12 @@ def _every(text: str) -> int:
     return parse_activation_checkpointing(text)
 
 
+@lru_cache(maxsize=64)
+def _selective(text: str) -> bool:
+    from shardfit.spec.plan import is_selective_ac
+    return is_selective_ac(text)
+
+
 @lru_cache(maxsize=512)
 def _model_facts(model, lora_key):
     """Trained params, frozen-base bytes and Adafactor's factored ratio: fixed for a model + LoRA."""
@@ -44,7 +50,7 @@ def _model_facts(model, lora_key):
     rank, targets, base_dtype = lora_key
     unknown = sts.lora_unknown_targets(model, targets)
     if unknown:
-        names = sorted({name for name, *_ in sts.block_linears(model)})
+        names = sorted({name for name, *_ in sts.model_linears(model)})
         raise ShardfitError(f"LoRA target '{unknown[0]}' is not a linear of {model.name}: use some of {', '.join(names)} or all-linear")
     trained = sts.lora_adapter_params(model, rank, targets)
     return trained, sts.frozen_base_bytes(model, base_dtype), 1.0
@@ -53,7 +59,14 @@ def _model_facts(model, lora_key):
 def _regime(precision: str, kind: str, lora) -> str:
     if precision == "fp32":
         return "fp32"
-    if precision == "bf16-pure" or kind != "ddp" or (lora is not None and lora.base_dtype != "fp32"):
+    # Source: peft prepare_model_for_kbit_training upcasts a QLoRA model's unquantized weights to fp32,
+    # so single and DDP run it under torch.autocast like an fp32 model (bitsandbytes' layers compute in
+    # bnb_4bit_compute_dtype inside); FSDP2's MixedPrecision casts it to 16-bit like any model.
+    if lora is not None and lora.base_dtype in ("int8", "nf4") and kind in ("ddp", "single") and precision != "bf16-pure":
+        return "autocast"
+    # DDP and single keep fp32 parameters and run the forward under torch.autocast; the sharding
+    # engines cast the parameters themselves (FSDP MixedPrecision, DeepSpeed's 16-bit model).
+    if precision == "bf16-pure" or kind not in ("ddp", "single") or (lora is not None and lora.base_dtype != "fp32"):
         return "half"
     return "autocast"
 
@@ -62,7 +75,7 @@ def shard_degree(plan) -> int:
     """Ranks that share one copy of the sharded states."""
     s, c = plan.strategy, plan.cluster
     world = c.nodes * c.gpus_per_node
-    if s.kind == "ddp":
+    if s.kind in ("single", "ddp"):
         return 1
     if s.kind == "fsdp":
         if s.sharding == "no_shard":
@@ -94,6 +107,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     shard = shard_degree(plan)
     lora_key = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     trained, frozen_bytes, factored = _model_facts(model, lora_key)
+    if optimizer == "adamw8bit":
+        factored = sts.eightbit_fraction(model, *(lora_key[:2] if lora_key else ()))
     terms: list | None = [] if explain else None
     notes: list | None = [] if explain else None
 
@@ -107,12 +122,20 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         prof = act.activation_profile(model, regime, t.attention, lora, device)
         every = _every(t.activation_checkpointing)
         n_ckpt = act.checkpointed_blocks(model.num_layers, every)
-        a_blocks, a_head, a_block = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, n_ckpt)
+        kept = (act.selective_kept(model, regime, t.attention, lora, device)
+                if n_ckpt and _selective(t.activation_checkpointing) else (0.0, 0.0))
+        a_blocks, a_head, a_block = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, n_ckpt, kept)
         loss_fwd = tmp.loss_forward_bytes(tokens, prof.loss_fwd_temp)
+        loss_inputs = tmp.loss_label_bytes(t.micro_batch, seq)
+        if regime == "autocast":
+            loss_inputs += tmp.autocast_head_input_bytes(tokens, model.hidden_size)
         attn_fwd = int(prof.attn_fwd_temp_quad * tokens * seq)
         loss_bwd = tmp.loss_backward_bytes(tokens, prof.loss_bwd_temp)
         bwd_work = tmp.activation_grad_bytes(tokens, seq, prof.bwd_work, prof.bwd_work_quad)
-        recompute = a_block if n_ckpt else 0
+        # Recompute rebuilds one block's saved tensors in backward; under selective checkpointing the
+        # ones the policy kept are replayed from its cache, not rebuilt (they are in a_blocks already).
+        kept_block = int(kept[0] * tokens + kept[1] * tokens * seq)
+        recompute = max(0, a_block - kept_block) if n_ckpt else 0
         # Activations that exist before the head runs: embedding indices, rotary tables / positions.
         a_pre_head = a_head - int(tokens * sum(per for label, per, _ in prof.head_items
                                                if not label.startswith("embedding.")))
@@ -133,7 +156,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         wcopy = act.autocast_weight_copy_bytes(prof, model.num_layers, n_ckpt)
     else:
         prof = None
-        n_ckpt = a_blocks = a_head = a_block = loss_fwd = attn_fwd = loss_bwd = bwd_work = a_pre_head = fwd_work = 0
+        n_ckpt = kept_block = a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = a_pre_head = 0
+        fwd_work = 0
         recompute = dequant = wcopy = wcopy_fwd = 0
     if explain and prof is not None:
         term("activations.block", a_block, "b*s*sum(block tensors) + b*s^2*sum(quadratic tensors)",
@@ -141,15 +165,20 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
               "per_token": prof.block, "per_token_per_s": prof.block_quad,
               "tensors": {label: [per, quad] for label, per, quad in prof.block_items}},
              "Korthikanti et al. 2022 adapted to the HF block (see activations.py)")
-        term("activations.blocks", a_blocks, "(L - n_ckpt)*block + n_ckpt*b*s*ckpt_input",
-             {"L": model.num_layers, "n_ckpt": n_ckpt, "ckpt_input_per_token": prof.ckpt_input},
-             "full recompute keeps only the block input (Korthikanti et al. sec. 5)")
+        term("activations.blocks", a_blocks, "(L - n_ckpt)*block + n_ckpt*b*s*(ckpt_input + selective kept)",
+             {"L": model.num_layers, "n_ckpt": n_ckpt, "ckpt_input_per_token": prof.ckpt_input,
+              "selective_kept_per_token": kept[0]},
+             "full recompute keeps only the block input (Korthikanti et al. sec. 5); per-op selective "
+             "checkpointing also keeps every other matmul output and the attention output (shardfit/sac.py)")
         term("activations.head", a_head, "b*s*(final norm + log_softmax fp32 + labels) + rotary",
              {"per_token": prof.head,
               "tensors": {label: per for label, per, _ in prof.head_items}},
              "transformers ForCausalLMLoss: fp32 log_softmax saved for backward")
         term("temporaries.logits_and_upcast", loss_fwd, "b*s*V*d + b*s*V*4 when logits are 16-bit",
              {"V": model.vocab_size, "tokens": tokens}, "lm_head output + ForCausalLMLoss logits.float()")
+        term("temporaries.loss_inputs", loss_inputs, "24*b*s + 8*b (+ b*s*h*4 under autocast)",
+             {"b": t.micro_batch, "s": seq, "regime": regime},
+             "ForCausalLMLoss padded/shifted int64 labels; the fp32 final-norm output an autocast model still holds")
         term("temporaries.loss_backward", loss_bwd, "2 * b*s*V*4", {"V": model.vocab_size, "tokens": tokens},
              "nll_loss and log_softmax gradients in fp32")
         if wcopy_fwd:
@@ -181,7 +210,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         params, grads_full, opt, temps = _deepspeed_estimator(plan, largest, host, term, notes)
         grads_persist = grads_full
         buf = Buffers(temps)
-        a_blocks = a_head = a_block = loss_fwd = attn_fwd = loss_bwd = bwd_work = recompute = wcopy = wcopy_fwd = 0
+        a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = recompute = 0
+        wcopy = wcopy_fwd = 0
         a_pre_head = fwd_work = 0
     else:
         persistent = sts.zero3_persistent_params(model, s.param_persistence_threshold) if kind == "zero3" else 0
@@ -209,21 +239,25 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                              "the step runs on CPU")
         elif kind == "ddp":
             buf = bufs.ddp_buffers(s, model, st, impl, optimizer, largest, rec)
+        elif kind == "single":
+            buf = bufs.single_buffers(model, st, impl, optimizer, largest)
         elif kind == "zero3":
             buf = bufs.zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec)
         else:
             buf = bufs.zero12_buffers(s, st, trained, world, lp, largest, impl, optimizer, host, rec)
         if explain:
             term("temporaries.optimizer_step", buf.opt - buf.rest,
-                 "foreach AdamW: trained_on_rank*state_bytes; single-tensor: 2*largest*state_bytes; fused: 0",
+                 "foreach AdamW: trained_on_rank*state_bytes; single-tensor: (2*largest + previous)*state_bytes; fused: 0",
                  {"optimizer": optimizer, "impl": impl, "trained_on_rank": st.trained_per_rank},
                  "torch.optim _multi_tensor_adamw / _single_tensor_adamw; DeepSpeed step buffers")
         if dequant:
             for name in ("fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end"):
                 setattr(buf, name, getattr(buf, name) + dequant)
             if explain:
-                term("temporaries.qlora_dequant", dequant, "2*h*max(q, I)", {},
-                     "bitsandbytes dequantizes one 4/8-bit weight to 16-bit per matmul")
+                term("temporaries.qlora_dequant", dequant,
+                     "nf4: W*compute_bytes + 4*W/64; int8: W*input_bytes (W: widest block linear)",
+                     {"base": lora.base_dtype, "regime": regime},
+                     "bitsandbytes gemm_4bit / MatMul4Bit.backward dequantize_4bit; MatMul8bitFp / MatMul8bitLt CB*SCB")
     if checkpoint == "full":
         host["checkpoint_consolidation"] = int(model.n_params * (4 + sts.optimizer_state_bytes_per_param(
             optimizer, 4, factored))) if lora is None else int(trained * 16 + frozen_bytes)
@@ -238,7 +272,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     # Forward peaks at the loss (every activation + the logits) or inside the last block (its
     # gathered units / eager scores and, when checkpointed, its working set; no head activations
     # yet), whichever is larger.
-    acts_f, fwd_temps = a_blocks + a_head, buf.fwd_loss + loss_fwd + wcopy_fwd
+    acts_f, fwd_temps = a_blocks + a_head, buf.fwd_loss + loss_fwd + loss_inputs + wcopy_fwd
     inside = (a_blocks + a_pre_head, buf.fwd_block + attn_fwd + wcopy_fwd + fwd_work)
     if sum(inside) > acts_f + fwd_temps:
         acts_f, fwd_temps = inside
@@ -248,7 +282,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     # reaches (a recomputed block + one block's gradient working set), inside the last block (nearly
     # every gradient + that block's activations) or at its end (all gradients); the largest wins.
     acts_b, grads_b, temps_b = a_blocks + a_head, grads_persist, buf.start + loss_bwd + wcopy
-    last_acts = (prof.ckpt_input * tokens if n_ckpt else a_block) + recompute if prof is not None else 0
+    last_acts = ((prof.ckpt_input * tokens + kept_block if n_ckpt else a_block) + recompute
+                 if prof is not None else 0)
     done = 1.0 - (model.block_params + model.vocab_size * model.hidden_size) / model.n_params \
         if model.has_shape and model.n_params else 0.0
     grads_last = grads_persist + int((grads_full - grads_persist) * max(done, 0.0))
@@ -310,7 +345,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
 def _ideal(plan, shard, trained, frozen_bytes, factored, lp, host, term, notes):
     """The ZeRO paper's model states, FSDP mapped onto its stages; no buffers."""
     s = plan.strategy
-    stage = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}.get(s.kind, 3)
+    stage = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}.get(s.kind, 3)
     if s.kind == "fsdp" and s.sharding == "shard_grad_op":
         stage = 2
     if s.kind == "fsdp" and s.sharding == "no_shard":
@@ -362,9 +397,27 @@ def _assumptions(plan, regime, shard, accounting, device, checkpoint) -> list[st
            f"attention {t.attention}",
            f"checkpoint save: {checkpoint}; device: {device}; accounting: {accounting}",
            "loop does `loss = model(**batch).loss`: the logits are freed before backward"]
+    m = plan.model
+    if m.derived:
+        out.append(f"{m.model_class}: no hand-written rules; spec from a meta-device build, saved activations "
+                   f"traced from its forward on fake tensors (CPU kernels), cached by config ({m.config_hash})")
+    if m.num_experts:
+        out.append(f"MoE: {m.experts_per_token} of {m.num_experts} experts per token; saved tensors count b*s*top_k "
+                   f"routed rows (routing-independent); the backward working set assumes balanced routing")
+    if _selective(t.activation_checkpointing):
+        out.append("selective checkpointing: torchtitan's per-op policy (attention and every other mm kept; shardfit/sac.py)")
     if t.lora is not None:
         out.append(f"LoRA r={t.lora.rank} on {','.join(t.lora.target_modules)}: adapters fp32, base "
                    f"{t.lora.base_dtype} frozen")
+        if t.lora.base_dtype in ("nf4", "int8"):
+            out.append("QLoRA as peft sets it up: prepare_model_for_kbit_training keeps embeddings, norms and head in "
+                       "fp32; its default gradient checkpointing is not assumed (the plan's activation_checkpointing is)")
+    if s.kind == "single":
+        out.append("single: one device, no wrapper: no reducer buckets, no collectives; grads live from backward "
+                   "to zero_grad(set_to_none=True)")
+    if s.kind == "ddp" and plan.cluster.world_size == 1 and not s.ddp_gradient_as_bucket_view:
+        out.append("ddp on one GPU still allocates the reducer's flat bucket copy of every gradient: "
+                   "strategy single trains the same way without it")
     if s.kind in ("zero1", "zero2", "zero3"):
         out.append("DeepSpeed: 16-bit params + fp32 master + fp32 grad partition at step; FusedAdam (no step scratch)")
     return out

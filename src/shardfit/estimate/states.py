@@ -6,6 +6,7 @@ during the optimizer step). Bytes are per rank.
 """
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 # Bytes per element of the dtypes a plan can name. nf4 is 4 bits; its block constants are separate.
@@ -43,37 +44,63 @@ def _block_linears(family, h, heads, kv_heads, head_dim, inter, experts, mlp):
                         ("down_proj", inter, h, copies))
 
 
+def model_linears(model) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, in, out, count in the whole model) of the block linears: a derived spec lists what the
+    meta-built model has; a hand-written family's come from its shapes, times the layers."""
+    if model.derived:
+        return model.linears
+    return tuple((name, i, o, n * model.num_layers) for name, i, o, n in block_linears(model))
+
+
 def lora_adapter_params(model, rank: int, targets: tuple[str, ...]) -> int:
     # Source: LoRA (Hu et al. 2021): A is r x in, B is out x r per adapted linear, per block.
-    linears = block_linears(model)
     wanted = set(targets)
     everything = "all-linear" in wanted
-    per_block = sum(rank * (i + o) * n for name, i, o, n in linears if everything or name in wanted)
-    return per_block * model.num_layers
+    return sum(rank * (i + o) * n for name, i, o, n in model_linears(model) if everything or name in wanted)
 
 
 def lora_unknown_targets(model, targets: tuple[str, ...]) -> list[str]:
-    names = {name for name, *_ in block_linears(model)} | {"all-linear"}
+    names = {name for name, *_ in model_linears(model)} | {"all-linear"}
     return [t for t in targets if t not in names]
 
 
 def quantized_linear_params(model) -> int:
     """Parameters of the block linears: what bitsandbytes quantizes (not embeddings, norms, head)."""
-    return model.num_layers * sum(i * o * n for _, i, o, n in block_linears(model))
+    return sum(i * o * n for _, i, o, n in model_linears(model))
+
+
+def nf4_weight_bytes(numel: int) -> int:
+    # Source: bitsandbytes functional.quantize_4bit(blocksize=64, compress_statistics=True), as
+    # Params4bit._quantize calls it: packed 4-bit data, one uint8 absmax per 64-block (quantize_blockwise
+    # with blocksize 256), one fp32 absmax per 256 blocks, and per weight the fp32 offset, the 16-value
+    # fp32 nf4 code and a copy of the 256-value fp32 dynamic map of the nested state.
+    blocks = -(-numel // 64)
+    return -(-numel // 2) + blocks + 4 * -(-blocks // 256) + 4 + 4 * 16 + 4 * 256
+
+
+def int8_weight_bytes(in_features: int, out_features: int) -> int:
+    # Source: bitsandbytes Int8Params._quantize (int8_vectorwise_quant): int8 rows (CB, also the
+    # weight's data) and one fp32 absmax per output row (SCB).
+    return in_features * out_features + 4 * out_features
 
 
 def frozen_base_bytes(model, base_dtype: str) -> int:
-    # Source: bitsandbytes Linear4bit (nf4, blocksize 64, double-quant absmax: 8 bit per 64 + fp32 per
-    # 64*256) and Linear8bitLt (1 B + fp32 row scale); everything else stays 16-bit.
+    """The frozen base of LoRA / QLoRA. A quantized base is what transformers + peft build: the block
+    linears in bitsandbytes' format, every other weight (embeddings, norms, head, biases) in fp32."""
     if base_dtype not in ("nf4", "int8"):
         return int(model.n_params * DTYPE_BYTES[base_dtype])
-    linear = quantized_linear_params(model)
-    rest = model.n_params - linear
+    # Source: peft utils/other.py prepare_model_for_kbit_training casts every fp16/bf16 parameter that
+    # is not a Params4bit to fp32 (Int8Params are int8, so they stay): the unquantized rest is 4 B.
+    if not model.has_shape:  # no shapes (--params): count every parameter as a quantized linear
+        per_param = 0.5 + 1 / 64 + 4 / (64 * 256) if base_dtype == "nf4" else 1.0
+        return int(model.n_params * per_param)
+    linears = model_linears(model)
+    linear = sum(i * o * n for _, i, o, n in linears)
     if base_dtype == "nf4":
-        per_param = 0.5 + 1 / 64 + 4 / (64 * 256)
+        quantized = sum(nf4_weight_bytes(i * o) * n for _, i, o, n in linears)
     else:
-        per_param = 1 + 4 / max(model.hidden_size, 1)
-    return int(linear * per_param + rest * 2)
+        quantized = sum(int8_weight_bytes(i, o) * n for _, i, o, n in linears)
+    return int(quantized + 4 * (model.n_params - linear))
 
 
 def adafactor_ratio(model) -> float:
@@ -81,18 +108,46 @@ def adafactor_ratio(model) -> float:
     if not model.has_shape:
         side = max(model.largest_layer_params, model.n_params // 100, 1) ** 0.5
         return 2.0 / side
-    vectors = sum((i + o) * n for _, i, o, n in block_linears(model)) * model.num_layers
+    if model.derived:
+        # Adafactor factors the last two dimensions of every tensor of rank >= 2 (3-D experts too).
+        vectors = sum((math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * n if len(shape) >= 2
+                      else shape[0] * n for shape, n in model.tensor_shapes)
+        return min(1.0, vectors / max(model.n_params, 1))
+    vectors = sum((i + o) * n for _, i, o, n in model_linears(model))
     vectors += 2 * (model.vocab_size + model.hidden_size)
     return min(1.0, vectors / max(model.n_params, 1))
 
 
+# Source: bitsandbytes optim/optimizer.py Optimizer2State.init_state: a tensor with fewer elements than
+# min_8bit_size (4096) keeps fp32 state1/state2 even in the 8-bit optimizers.
+MIN_8BIT_SIZE = 4096
+
+
+def eightbit_fraction(model, rank: int = 0, targets: tuple[str, ...] = ()) -> float:
+    """Share of the trained parameters whose AdamW8bit state is 8-bit (tensors of at least
+    min_8bit_size elements): 1 for a full model (its small norms are negligible); for LoRA, per
+    adapter matrix A (r x in) and B (out x r)."""
+    if not rank:
+        return 1.0
+    wanted = set(targets)
+    total = big = 0
+    for name, i, o, n in model_linears(model):
+        if "all-linear" in wanted or name in wanted:
+            for size in (rank * i, rank * o):
+                total += size * n
+                big += size * n if size >= MIN_8BIT_SIZE else 0
+    return big / total if total else 1.0
+
+
 def optimizer_state_bytes_per_param(optimizer: str, state_bytes: int, factored: float) -> float:
+    """factored: Adafactor's row+col ratio; for adamw8bit the share of 8-bit state (eightbit_fraction)."""
     # Source: torch.optim AdamW/SGD keep moments in the param dtype; bitsandbytes AdamW8bit 1 B per
-    # moment + fp32 absmax per 256; Lion one moment; Adafactor factored row+col statistics.
+    # moment + fp32 absmax per 256-block (fp32 moments below min_8bit_size); Lion one moment;
+    # Adafactor factored row+col statistics. PagedAdamW8bit holds the same bytes in CUDA unified memory.
     if optimizer == "adamw":
         return 2 * state_bytes
     if optimizer == "adamw8bit":
-        return 2 + 2 * 4 / 256
+        return factored * (2 + 2 * 4 / 256) + (1 - factored) * 2 * 4
     if optimizer in ("sgd", "lion"):
         return state_bytes
     return state_bytes * factored  # adafactor
@@ -103,11 +158,15 @@ def zero3_persistent_params(model, threshold: int) -> int:
     stage3_param_persistence_threshold (norms, biases, and every matrix of a small model)."""
     if not model.has_shape:
         return 0
+    if model.derived:
+        return sum(math.prod(shape) * n for shape, n in model.tensor_shapes if math.prod(shape) < threshold)
     mats = [i * o * n for _, i, o, n in block_linears(model)]
     embed = model.vocab_size * model.hidden_size
     router = model.hidden_size * model.num_experts
     position = model.max_position * model.hidden_size if model.family in ("gpt2", "bert") else 0
     big = [embed] * (1 if model.tie_embeddings else 2) + ([position] if position else [])
+    if model.family == "bert":
+        big.append(model.hidden_size * model.hidden_size)  # the MLM head's transform.dense
     matrices = model.num_layers * (sum(mats) + router) + sum(big)
     vectors = max(0, model.n_params - matrices)  # norms and biases: always below the threshold
     small = model.num_layers * (sum(m for m in mats if m < threshold) + (router if router < threshold else 0))
@@ -115,8 +174,38 @@ def zero3_persistent_params(model, threshold: int) -> int:
     return vectors + small
 
 
+def largest_tensor(model, largest_layer: int) -> int:
+    """Elements of the largest single parameter tensor (a derived spec knows every shape; the
+    hand-written rules use the largest module, which for them is one tensor)."""
+    if model.derived and model.tensor_shapes:
+        return max(math.prod(shape) for shape, _ in model.tensor_shapes)
+    return largest_layer
+
+
+def step_scratch_params(model, largest_layer: int) -> tuple[int, int]:
+    """(largest tensor, previous tensor) for the single-tensor optimizer loop's scratch, so that
+    2*largest + previous is single-tensor AdamW's exact peak (derived specs record it in order)."""
+    if model.derived and model.single_adam_peak:
+        big = largest_tensor(model, largest_layer)
+        return big, max(0, model.single_adam_peak - 2 * big)
+    return largest_layer, param_before_largest(model)
+
+
+def param_before_largest(model) -> int:
+    """Elements of the parameter registered just before the largest one: the token embedding when
+    the position embedding is the largest (GPT-2 / BERT with more positions than tokens); otherwise
+    the largest is the token embedding (registered first) or the head (after a norm vector): ~0."""
+    if not model.has_shape or model.family not in ("gpt2", "bert"):
+        return 0
+    position, embed = model.max_position * model.hidden_size, model.vocab_size * model.hidden_size
+    return embed if position > embed and position >= model.largest_layer_params else 0
+
+
 def zero3_gathered_bounds(model, threshold: int) -> tuple[int, int]:
     """(largest tensor ZeRO-3 gathers, all gatherable params): tensors at or above the threshold."""
+    if model.derived:
+        big = [math.prod(shape) for shape, _ in model.tensor_shapes if math.prod(shape) >= threshold]
+        return max(big, default=0), max(0, model.n_params - zero3_persistent_params(model, threshold))
     mats = [i * o * n for _, i, o, n in block_linears(model)] + [model.hidden_size * model.num_experts]
     embed = model.vocab_size * model.hidden_size
     big = [m for m in mats + [embed] if m >= threshold]
@@ -142,8 +231,8 @@ def model_states(kind: str, shard: int, world: int, precision: str, optimizer: s
                  frozen_bytes: int, factored: float, offload_optimizer, offload_params,
                  persistent_params: int = 0, largest_param: int = 0, explain: bool = False,
                  bucket_view: bool = False) -> States:
-    """Real engine accounting. kind: ddp | fsdp | zero1 | zero2 | zero3; shard = ranks sharing the
-    sharded states (N, or the hybrid group size; 1 for no_shard)."""
+    """Real engine accounting. kind: single | ddp | fsdp | zero1 | zero2 | zero3; shard = ranks sharing
+    the sharded states (N, or the hybrid group size; 1 for no_shard, ddp and single)."""
     out = States()
     rec = [] if explain else None
     mixed = precision in ("bf16", "fp16")
@@ -217,7 +306,8 @@ def model_states(kind: str, shard: int, world: int, precision: str, optimizer: s
         out.terms = rec
         return out
 
-    # DDP and FSDP: torch keeps the optimizer in the dtype of the (sharded) parameters.
+    # single, DDP and FSDP: torch keeps the optimizer in the dtype of the (sharded) parameters. A
+    # single-device loop's grads exist from backward to zero_grad(set_to_none=True), as DDP's do.
     param_bytes = 2 if precision == "bf16-pure" else 4
     moments = optimizer_state_bytes_per_param(optimizer, param_bytes, factored)
     part = trained / shard

@@ -64,6 +64,18 @@ def loss_forward_bytes(tokens: int, per_token: float) -> int:
     return int(tokens * per_token)
 
 
+def loss_label_bytes(micro_batch: int, seq: int) -> int:
+    # Source: transformers ForCausalLMLoss: labels padded by one (int64 b*(s+1)), the shifted labels made
+    # contiguous (int64 b*s), and nll_loss's flattened target (int64 b*s), live while the loss runs.
+    return int(8 * micro_batch * (seq + 1) + 16 * micro_batch * seq)
+
+
+def autocast_head_input_bytes(tokens: int, hidden: int) -> int:
+    # Source: under torch.autocast the final norm runs in fp32; its output stays referenced by the model
+    # output until the loss returns, while lm_head saves only its 16-bit cast.
+    return int(tokens * hidden * 4)
+
+
 def loss_backward_bytes(tokens: int, per_token: float) -> int:
     # Source: autograd: nll_loss grad + log_softmax grad, both fp32 b*s*V.
     return int(tokens * per_token)
@@ -75,14 +87,16 @@ def activation_grad_bytes(tokens: int, seq: int, per_token: float, per_token_qua
 
 
 def optimizer_step_temp_bytes(optimizer: str, impl: str, trained_on_rank: int, state_bytes: int,
-                              largest_param: int) -> int:
+                              largest_param: int, previous_param: int = 0) -> int:
     # Source: torch.optim _multi_tensor_adamw: _foreach_sqrt(exp_avg_sq) copies every state;
-    # _single_tensor_adamw: sqrt() then div() of one tensor at a time; fused kernels allocate nothing.
+    # _single_tensor_adamw: sqrt() then div() of one tensor at a time, while the loop's `denom` still
+    # holds the previous parameter's (previous_param: the one registered before the largest);
+    # fused kernels allocate nothing.
     if impl == "fused" or optimizer in ("adamw8bit", "sgd"):
         return 0
     if optimizer == "adamw" and impl == "foreach":
         return int(trained_on_rank * state_bytes)
-    return int(2 * largest_param * state_bytes)
+    return int((2 * largest_param + (previous_param if optimizer == "adamw" else 0)) * state_bytes)
 
 
 def checkpoint_save_bytes(mode: str, unit_params: int, state_bytes: int) -> int:

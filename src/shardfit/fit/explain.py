@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardfit.fit.families import TIE
+from shardfit.fit.families import TIE, engine_of
 from shardfit.fit.steptime import comm_volume
 from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import CATALOG, get_gpu
@@ -52,6 +52,12 @@ def slower_reason(c, best) -> str:
     ratio = t.total_s / b.total_s if b.total_s else 1.0
     ct = c.plan.training
     head = f"fits (micro-batch {ct.micro_batch}, AC {ct.activation_checkpointing})"
+    if best.family == "single" and ratio <= 1 + TIE:
+        if engine_of(c.plan.strategy) == "ddp":
+            return (f"{head}, but on one GPU DDP only adds its reducer's bucket copy of every gradient: single "
+                    "runs the same step without it")
+        return (f"{head}, but on one GPU it shards nothing: single runs the step with no wrapper, launcher or "
+                "collectives")
     if ratio <= 1 + TIE:
         return f"{head} and is about as fast (x{ratio:.2f}), but {best.family} comes first in the field's order"
     deltas = {"comm": t.exposed_comm_s - b.exposed_comm_s, "compute": t.compute_s - b.compute_s,

@@ -1,6 +1,6 @@
 """The plan space `fit` searches, in the order the field recommends trying it.
 
-Order (the tie-break when two plans are about as fast): plain DDP, ZeRO-1, ZeRO-2 (shard optimizer
+Order (the tie-break when two plans are about as fast): on one GPU, single (no wrapper); plain DDP, ZeRO-1, ZeRO-2 (shard optimizer
 state, then gradients), parameter sharding (ZeRO-3 / FSDP), hybrid sharding across nodes, and
 offload last. At equal sharding, DeepSpeed comes first (the field's ZeRO naming), then FSDP2, then
 FSDP1 (deprecated in torch and transformers). Activation checkpointing and micro-batch/accumulation are searched inside each family.
@@ -16,7 +16,9 @@ from shardfit.spec.plan import Strategy
 # integration derives from the hidden size (transformers/integrations/deepspeed.py:
 # reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h², persistence threshold = 10·h).
 BUCKET_VARIANTS = ("default", "auto")
-AC_OPTIONS = ("none", "every-2", "full")
+# The field's order: no recompute, then per-op selective (keeps matmul and attention outputs, recomputes
+# the cheap ops), per-layer (every other block), full.
+AC_OPTIONS = ("none", "selective", "every-2", "full")
 # Two plans within this fraction of each other's step time count as a tie: the field's order decides.
 TIE = 0.02
 
@@ -38,7 +40,9 @@ NVME_PLACEHOLDER = "/local_nvme"
 def families(gpus_per_node: int, nodes: int, hidden_size: int, nvme_path: str | None = None) -> list[Family]:
     """Every strategy family that makes sense for this cluster, in the field's order."""
     group = gpus_per_node
-    out = [
+    # One GPU in all: the plain loop comes first (DDP there only adds its reducer's bucket copy).
+    out = [Family("single", Strategy(kind="single"), -1, 0)] if gpus_per_node * nodes == 1 else []
+    out += [
         Family("ddp", Strategy(kind="ddp"), 0, 0),
         Family("zero1", Strategy(kind="zero1"), 1, 0),
         Family("zero2", Strategy(kind="zero2"), 2, 0),
@@ -67,7 +71,9 @@ def families(gpus_per_node: int, nodes: int, hidden_size: int, nvme_path: str | 
 
 
 def engine_of(strategy: Strategy) -> str:
-    return "deepspeed" if strategy.is_deepspeed else ("ddp" if strategy.kind == "ddp" else "fsdp")
+    if strategy.kind in ("single", "ddp"):
+        return strategy.kind
+    return "deepspeed" if strategy.is_deepspeed else "fsdp"
 
 
 def bucket_changes(variant: str, hidden_size: int) -> dict:

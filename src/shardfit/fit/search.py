@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shardfit.errors import ShardfitError
+from shardfit.estimate.activations import selective_available
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.measure.report import fmt_bytes
@@ -33,7 +34,7 @@ class FitRequest:
     margin: float = 0.10
     precision: str | None = None  # None = bf16 where supported, else fp16 with loss scaling
     optimizer: str = "adamw"
-    engines: tuple[str, ...] = ("ddp", "deepspeed", "fsdp")
+    engines: tuple[str, ...] = ("single", "ddp", "deepspeed", "fsdp")  # single: searched on one GPU only
     device: str = "cuda"  # "cpu": compare tensor bytes only (no CUDA context, NCCL or allocator rounding)
     host_memory_gib: float | None = None
     nvme_path: str | None = None  # the NVMe mount for ZeRO-Infinity plans
@@ -224,10 +225,13 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
              f"({request.margin:.0%} margin{'' if request.device == 'cuda' else ', tensor bytes only: CPU run'})"]
     micro_options = divisors(per_rank)
     ac_options = AC_OPTIONS if request.model.has_shape else ("none",)
+    if not selective_available(request.model):
+        ac_options = tuple(ac for ac in ac_options if ac != "selective")
     all_families = [f for f in families(request.gpus_per_node, request.nodes, request.model.hidden_size, request.nvme_path)
                     if engine_of(f.strategy) in request.engines]
     if not all_families:
-        raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search: use ddp, deepspeed or fsdp")
+        raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search on {world} GPU(s): use "
+                            "ddp, deepspeed or fsdp (single is for one GPU)")
 
     def make_for(fam: Family, ac: str, buckets: str):
         return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
@@ -254,6 +258,11 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
             if lean is not None:
                 smallest[fam.label] = lean
     ranked = _sorted([c[0] for c in found.values() if c])
+    if world == 1:
+        # NOTE: on one GPU every other family runs the same step plus its wrapper's buffers (DDP's bucket
+        # copy of every gradient, DeepSpeed's buckets, FSDP's flat parameters) with nothing to shard or
+        # reduce, and a second launcher to get right: single wins whenever it fits.
+        ranked.sort(key=lambda c: c.family != "single")
     best = ranked[0] if ranked else None
     if best is not None:
         warnings = validate_plan(best.plan)

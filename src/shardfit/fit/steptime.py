@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shardfit.estimate.states import lora_adapter_params
 from shardfit.spec.gpus import GPU, get_gpu
-from shardfit.spec.plan import Plan, parse_activation_checkpointing
+from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
 # Model FLOPs utilisation of a well-tuned dense decoder step at large micro-batch: published
 # Llama/Megatron/torchtitan runs on A100/H100 report 35-55% MFU; 0.45 is the middle.
@@ -101,9 +101,12 @@ def step_flops(plan: Plan) -> tuple[float, float]:
     forward = dense_fwd + attention_fwd
     backward_factor = 1.0 if t.lora is not None else 2.0
     every = parse_activation_checkpointing(t.activation_checkpointing)
-    recompute_fraction = 1.0 / every if every else 0.0
     model_flops = forward * (1.0 + backward_factor)
-    flops = model_flops + forward * recompute_fraction
+    if every and is_selective_ac(t.activation_checkpointing):
+        # Per-op SAC recomputes every other matmul and the cheap elementwise ops; attention is kept.
+        flops = model_flops + 0.5 * dense_fwd
+    else:
+        flops = model_flops + (forward / every if every else 0.0)
     return flops * t.grad_accum, model_flops * t.grad_accum
 
 
@@ -111,8 +114,9 @@ def backward_share(plan: Plan) -> float:
     """Backward's share of a micro-batch's compute (recompute under AC runs in backward): what a
     reduction issued from the last micro-batch's backward hooks can overlap."""
     backward = 1.0 if plan.training.lora is not None else 2.0
-    every = parse_activation_checkpointing(plan.training.activation_checkpointing)
-    recompute = 1.0 / every if every else 0.0
+    ac = plan.training.activation_checkpointing
+    every = parse_activation_checkpointing(ac)
+    recompute = (0.5 if is_selective_ac(ac) else 1.0 / every) if every else 0.0
     return (backward + recompute) / (1.0 + backward + recompute)
 
 

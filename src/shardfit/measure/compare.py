@@ -60,3 +60,25 @@ def format_comparison(comparison: dict, title: str = "") -> str:
         lines.append(f"peak: measured {fmt_bytes(peak['measured'])} in {peak['measured_phase']}, predicted "
                      f"{fmt_bytes(peak['predicted'])} in {peak['predicted_phase']} ({_err(peak)})")
     return "\n".join(lines)
+
+
+def off_terms(comparison: dict, term_tolerance: float = 0.05, small_term: float = 0.01,
+              peak_tolerance: float = 0.05) -> dict[str, str]:
+    """"phase/category" -> "measured M predicted P" for every term out of tolerance ("peak/*" for the
+    peak). A term under `small_term` of its phase's measured total is compared in bytes against that
+    fraction of the total instead of relative to itself."""
+    off = {}
+    for phase, rows in comparison.items():
+        if phase == "peak":
+            continue
+        phase_total = max(rows["total"]["measured"], 1)
+        for category in CATEGORIES:
+            row = rows[category]
+            miss = abs(row["predicted"] - row["measured"])
+            small = row["measured"] < small_term * phase_total
+            if miss > (small_term * phase_total if small else term_tolerance * row["measured"]):
+                off[f"{phase}/{category}"] = f"measured {row['measured']} predicted {row['predicted']}"
+    peak = comparison.get("peak")
+    if peak and abs(peak["error"] or 0) > peak_tolerance:
+        off["peak/*"] = f"measured {peak['measured']} ({peak['measured_phase']}) predicted {peak['predicted']}"
+    return off

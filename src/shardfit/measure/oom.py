@@ -81,6 +81,10 @@ def candidate_changes(plan) -> list[tuple[str, dict]]:
                     {"training": {"micro_batch": t.micro_batch // 2, "grad_accum": t.grad_accum * 2}}))
     if t.precision == "fp32":
         out.append(("bf16 mixed precision", {"training": {"precision": "bf16"}}))
+    if s.kind == "single":
+        # One GPU has nothing to shard: what is left is moving states to the host.
+        out.append(("offload parameters, gradients and optimizer to CPU (fsdp2+offload)",
+                    {"strategy": {"kind": "fsdp2", "offload_params": "cpu"}}))
     ladder = ["ddp", "zero1", "zero2", "zero3"]
     if s.kind in ladder[:-1]:
         for kind in ladder[ladder.index(s.kind) + 1:]:

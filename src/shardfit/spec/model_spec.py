@@ -37,6 +37,24 @@ class ModelSpec:
     largest_layer_params: int = 0
     # Parameters outside the repeated blocks (embeddings, final norm, head): FSDP's root unit.
     non_block_params: int = 0
+    shared_experts: int = 0  # MoE experts every token passes through (DeepSeek, Qwen-MoE)
+    # Derived from transformers' own code (spec/derive.py) rather than hand-written rules: the
+    # activation coefficients then come from traced forwards (estimate/derived.py), cached by
+    # config_hash (spec/spec_cache.py).
+    derived: bool = False
+    model_class: str = ""  # the transformers class trained (Qwen3ForCausalLM, ...)
+    config_hash: str = ""
+    # ((kind, count, params), ...): each distinct block (dense / MoE, sliding / full, attention /
+    # Mamba layers) with how many the model has and its parameters.
+    block_kinds: tuple = ()
+    # ((leaf name, in, out, count over all blocks), ...): the block linears, for derived specs.
+    linears: tuple = ()
+    # ((shape, count), ...): every unique parameter tensor's shape, for derived specs.
+    tensor_shapes: tuple = ()
+    # Single-tensor AdamW's step scratch in elements: max over parameters in registration order of
+    # 2*numel + the previous one's (its sqrt/div temporaries next to the previous `denom`); derived
+    # specs only (0: use the hand-written largest-layer rule).
+    single_adam_peak: int = 0
 
     @property
     def largest_unit_params(self) -> int:
@@ -50,6 +68,11 @@ class ModelSpec:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def __post_init__(self):
+        # NOTE: YAML/JSON give lists; a frozen spec is a cache key, so nested sequences become tuples.
+        for name in ("block_kinds", "linears", "tensor_shapes"):
+            object.__setattr__(self, name, _tuples(getattr(self, name)))
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelSpec":
@@ -73,6 +96,12 @@ class ModelSpec:
             return cls(**data)
         except TypeError as exc:
             raise ShardfitError(f"model spec is incomplete: {exc}") from None
+
+
+def _tuples(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuples(v) for v in value)
+    return value
 
 
 def params_only_spec(n_params: float, largest_layer: float | None = None) -> ModelSpec:

@@ -1,9 +1,11 @@
 """Model references -> ModelSpec: shipped presets, local HF config.json files, nn.Module factories.
 
-Parameter counts are derived analytically from the config, module by module, the way transformers
-builds the model (tests/spec/test_models.py pins every preset against the real model built on the
-meta device). No torch here: a factory reference ("pkg.module:fn") is the one path that needs torch,
-and it goes through shardfit.modeling lazily.
+For the seven hand-written families parameter counts are derived analytically from the config,
+module by module, the way transformers builds the model (tests/spec/test_models.py pins every preset
+against the real model built on the meta device). Every other model type is derived from
+transformers itself (spec/derive.py: a meta-device build) once and then read from the spec cache
+(spec/spec_cache.py). No torch here: deriving an uncached config and a factory reference
+("pkg.module:fn") are the paths that need torch, and both import it lazily.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec import spec_cache
+from shardfit.spec.derive import derive_spec
 from shardfit.spec.model_spec import ModelSpec
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -86,9 +90,8 @@ def load_hf_config(ref: str) -> dict:
     model_type = cfg.get("model_type")
     if model_type is None:
         raise ShardfitError(f"{path}: the config has no 'model_type': it must be a Hugging Face config.json")
-    if model_type not in FAMILIES:
-        raise ShardfitError(f"{path}: model_type '{model_type}' is not supported (supported: {', '.join(FAMILIES)}); "
-                            f"for another model pass a factory 'pkg.module:fn' that returns the nn.Module")
+    if not isinstance(model_type, str) or not model_type:
+        raise ShardfitError(f"{path}: 'model_type' must be a transformers model type such as \"llama\", got {model_type!r}")
     return cfg
 
 
@@ -233,10 +236,19 @@ def _bert(cfg: dict) -> dict:
 
 
 def spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
-    """Exact parameter counts of the transformers model this config builds (no torch)."""
+    """The spec of the transformers model this config builds: exact analytic counts for the
+    hand-written families (no torch), derived from transformers itself for every other model type."""
     model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
     if model_type not in FAMILIES:
-        raise ShardfitError(f"model '{name}': model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
+        return derived_spec(cfg, name, source)
+    return analytic_spec(cfg, name, source)
+
+
+def analytic_spec(cfg: dict, name: str, source: str) -> ModelSpec:
+    """Hand-written rules for the seven families (the fast path; tests hold them equal to derive)."""
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if model_type not in FAMILIES:
+        raise ShardfitError(f"model '{name}': model_type {model_type!r} has no hand-written rules (those have: {', '.join(FAMILIES)})")
     if model_type == "gpt2":
         shape = _gpt2(cfg)
     elif model_type == "bert":
@@ -254,6 +266,40 @@ def spec_from_hf_config(cfg: dict, name: str, source: str) -> ModelSpec:
         block_class=FAMILIES[model_type], block_params=block_params,
         largest_layer_params=largest, non_block_params=non_block, **shape,
     )
+
+
+def derived_spec(cfg: dict, name: str, source: str) -> ModelSpec:
+    """Any transformers config: from the spec cache (no torch), else built on the meta device and
+    counted (spec/derive.py, seconds), then cached. The name and source are this reference's."""
+    key = spec_cache.config_key(cfg)
+    entry = spec_cache.read_entry(key)
+    if entry is None:
+        entry = derived_entry(cfg, name, source)
+    try:
+        spec = ModelSpec.from_dict({**entry["spec"], "name": name, "source": source})
+    except (ShardfitError, KeyError, TypeError):
+        entry = derived_entry(cfg, name, source)
+        spec = ModelSpec.from_dict({**entry["spec"], "name": name, "source": source})
+    return spec
+
+
+def derived_entry(cfg: dict, name: str, source: str) -> dict:
+    """Derive a spec (torch + transformers) and write its cache entry: the config, the spec and what
+    the activation tracer needs to build a reduced-depth copy."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ShardfitError(f"model '{name}': model_type '{cfg.get('model_type')}' has no shipped rules, and deriving "
+                            f"them needs torch and transformers (pip install 'shardfit[run]'); presets and "
+                            f"cached specs do not") from None
+    key = spec_cache.config_key(cfg)
+    spec, facts = derive_spec(cfg, name, source, config_hash=key)
+    facts["max_position"] = spec.max_position
+    entry = {"config": cfg, "spec": spec.to_dict(), "facts": facts, "coefficients": {}}
+    spec_cache.write_entry(key, entry)
+    entry["key"] = key
+    return entry
 
 
 def load_model_spec(ref: str) -> ModelSpec:

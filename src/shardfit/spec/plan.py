@@ -12,7 +12,8 @@ from shardfit.errors import ShardfitError
 from shardfit.spec.fields import build_section
 from shardfit.spec.model_spec import ModelSpec
 
-STRATEGY_KINDS = ("ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+# single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
+STRATEGY_KINDS = ("single", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
 FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
@@ -78,15 +79,18 @@ class Strategy:
 
 
 def parse_strategy(text: str) -> Strategy:
-    """Parse `ddp`, `fsdp:shard_grad_op`, `fsdp2:no_reshard`, `zero3+offload`, `zero3+offload-nvme`,
+    """Parse `single`, `ddp`, `fsdp:shard_grad_op`, `fsdp2:no_reshard`, `zero3+offload`, `zero3+offload-nvme`,
     `zero3+offload-opt`, `zero2+offload`, `fsdp+offload`."""
     raw = str(text).strip().lower()
     base, _, offload = raw.partition("+")
     kind, _, option = base.partition(":")
     kind = {"zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3", "fsdp1": "fsdp"}.get(kind, kind)
     if kind not in STRATEGY_KINDS:
-        raise ShardfitError(f"unknown strategy '{text}': use one of ddp, fsdp[:{'|'.join(FSDP_SHARDING)}], "
+        raise ShardfitError(f"unknown strategy '{text}': use one of single, ddp, fsdp[:{'|'.join(FSDP_SHARDING)}], "
                             "fsdp2[:no_reshard], zero1, zero2, zero3, optionally with +offload")
+    if kind == "single" and (option or offload):
+        raise ShardfitError(f"strategy '{text}': single (one device, no wrapper) has no options and no offload: "
+                            "use single, or zero2+offload / zero3+offload / fsdp2+offload to offload on one GPU")
     values: dict = {"kind": kind}
     if option:
         if kind == "fsdp" and option in FSDP_SHARDING:
@@ -127,7 +131,8 @@ class Training:
     precision: str = "bf16"
     loss_scaling: bool | None = None  # fp16 only; None = on
     optimizer: str = "adamw"
-    # "none", "full" (every block), or "every-N" (every N-th block)
+    # "none", "selective" (per-op: matmul and attention outputs kept), "full" (every block), or
+    # "every-N" (every N-th block: per-layer selective checkpointing)
     activation_checkpointing: str = "none"
     attention: str = "sdpa"
     lora: LoRA | None = None
@@ -193,22 +198,33 @@ class Plan:
         return dataclasses.asdict(self)
 
 
+# Per-op selective activation checkpointing (torchtitan's "selective op" mode): every block is
+# wrapped, matmul and attention outputs are kept (every other matmul recomputed), the rest recomputed.
+SELECTIVE_AC = ("selective", "selective-op", "sac")
+
+
 def parse_activation_checkpointing(value: str) -> int:
-    """Return N where every N-th block is checkpointed; 0 means none."""
+    """Return N where every N-th block is checkpointed; 0 means none. `selective` wraps every block
+    (N = 1) under the per-op policy (is_selective_ac); every-N is per-layer selective checkpointing."""
     text = str(value).strip().lower()
     if text in ("none", "off", "false", "0"):
         return 0
-    if text in ("full", "on", "true", "all", "1", "every-1"):
+    if text in ("full", "on", "true", "all", "1", "every-1") or text in SELECTIVE_AC:
         return 1
     if text.startswith("every-"):
         text = text[len("every-"):]
     try:
         every = int(text)
     except ValueError:
-        raise ShardfitError(f"activation checkpointing '{value}': use none, full, or every-N (e.g. every-2)") from None
+        raise ShardfitError(f"activation checkpointing '{value}': use none, selective, full, or every-N (e.g. every-2)") from None
     if every < 1:
         raise ShardfitError(f"activation checkpointing '{value}': N in every-N must be at least 1")
     return every
+
+
+def is_selective_ac(value: str) -> bool:
+    """True for per-op selective checkpointing (matmul and attention outputs kept)."""
+    return str(value).strip().lower() in SELECTIVE_AC
 
 
 def plan_from_dict(data: dict, resolve_model=None) -> Plan:
@@ -296,6 +312,12 @@ def validate_plan(plan: Plan) -> list[str]:
     # Offload: where each engine supports it.
     if "nvme" in (s.offload_optimizer, s.offload_params) and not s.nvme_path:
         bad("NVMe offload needs a path: set strategy.nvme_path in the plan, or --nvme-path (a local NVMe mount, e.g. /local_nvme)")
+    if s.kind == "single" and c.world_size != 1:
+        bad(f"strategy single runs on one device, but the cluster has {c.world_size} GPUs ({c.nodes} node(s) x "
+            f"{c.gpus_per_node}): use --gpus 1 (--nproc 1 for train/profile), or a data-parallel strategy "
+            "(ddp, fsdp2, zero2, ...)")
+    if s.kind == "single" and (s.offload_optimizer or s.offload_params):
+        bad("single has no offload: use zero2+offload (optimizer) or zero3+offload / fsdp2+offload (parameters) on one GPU")
     if s.kind == "ddp" and (s.offload_optimizer or s.offload_params):
         bad("DDP has no offload: use zero2+offload (optimizer) or zero3+offload / fsdp2+offload (parameters)")
     if s.kind in ("zero1", "zero2"):

@@ -20,7 +20,7 @@ Order of changes (each is tried only if the current plan allows it, and the firs
 estimator says fits is taken; if none fits, the least disruptive is taken and the next OOM moves on):
   1. halve the micro-batch, double accumulation (same global batch, same math)
   2. activation checkpointing on every block
-  3. the next sharding level: ddp -> fsdp2, fsdp:shard_grad_op -> fsdp:full_shard, zero1 -> zero2 -> zero3
+  3. the next sharding level: single -> fsdp2+offload (one GPU), ddp -> fsdp2, fsdp:shard_grad_op -> fsdp:full_shard, zero1 -> zero2 -> zero3
   4. offload the optimizer (DeepSpeed) / parameters, gradients and optimizer (FSDP)
 """
 from __future__ import annotations
@@ -74,7 +74,11 @@ def candidates(plan) -> list[tuple[str, dict]]:
         nxt = {"sharding": "full_shard"}
     if s.kind == "fsdp2" and not s.reshard_after_forward:
         nxt = {"reshard_after_forward": True}
-    if nxt is not None:
+    if s.kind == "single":
+        # One GPU has nothing to shard; fsdp2+offload moves every state to the host and reads DCP too.
+        out.append(("offload parameters, gradients and optimizer to CPU (single -> fsdp2+offload)",
+                    {"strategy": {"kind": "fsdp2", "offload_params": "cpu"}}))
+    elif nxt is not None:
         out.append((f"sharding {s.label} -> {_label(plan, nxt)}", {"strategy": nxt}))
     elif s.is_deepspeed and not s.offload_optimizer:
         out.append(("offload the optimizer to CPU", {"strategy": {"offload_optimizer": "cpu"}}))

@@ -57,10 +57,29 @@ def read_plan_dict(path: str | None) -> dict:
     return read_plan_data(path)  # the one plan reader: one-line errors, duplicate keys refused
 
 
+def default_nproc(args) -> int:
+    """Ranks per node when --nproc is not given: 1 for a single-device plan, else 2."""
+    return 1 if plan_data(args)["strategy"].get("kind") == "single" else 2
+
+
 def build_plan(args):
     """Plan file (or quick defaults) < command-line flags < the launch's real cluster shape."""
     from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import parse_strategy, plan_from_dict
+    from shardfit.spec.plan import plan_from_dict
+
+    data = plan_data(args)
+    # The cluster is what this launch really is (torchrun's environment), not what the file says.
+    nproc = args.nproc or (1 if data["strategy"].get("kind") == "single" else 2)
+    world = int(os.environ.get("WORLD_SIZE", nproc * args.nnodes))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
+    data["cluster"].update({"nodes": max(1, world // max(1, local)), "gpus_per_node": local})
+    return plan_from_dict(data, resolve_model=load_model_spec)
+
+
+def plan_data(args) -> dict:
+    """The plan as a mapping: file (or quick defaults, or the checkpoint's own plan on a resume) with
+    the command-line flags applied; the cluster is left to build_plan."""
+    from shardfit.spec.plan import parse_strategy
 
     data = read_plan_dict(args.plan)
     if args.resume and not args.plan:
@@ -94,8 +113,4 @@ def build_plan(args):
     if getattr(args, "lora_rank", None):
         data["training"]["lora"] = {**(data["training"].get("lora") or {}), "rank": args.lora_rank,
                                     "base_dtype": "fp32"}
-    # The cluster is what this launch really is (torchrun's environment), not what the file says.
-    world = int(os.environ.get("WORLD_SIZE", args.nproc * args.nnodes))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", args.nproc))
-    data["cluster"].update({"nodes": max(1, world // max(1, local)), "gpus_per_node": local})
-    return plan_from_dict(data, resolve_model=load_model_spec)
+    return data

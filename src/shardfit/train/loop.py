@@ -178,7 +178,7 @@ def settle_garbage_collector() -> None:
 
 
 def _collectives(kind: str) -> str:
-    return {"ddp": "gradient all_reduce", "fsdp": "all_gather/reduce_scatter",
+    return {"single": "no collectives", "ddp": "gradient all_reduce", "fsdp": "all_gather/reduce_scatter",
             "fsdp2": "all_gather/reduce_scatter"}.get(kind, "DeepSpeed all_gather/reduce_scatter")
 
 

@@ -1,0 +1,47 @@
+"""Write src/shardfit/spec/presets/traced/selective.json: what per-op selective checkpointing keeps per
+block of every shipped preset, per precision regime and attention kernel, traced from each preset's
+derived twin (shardfit/estimate/derived.py). The presets' analytic path reads it, so `plan` and `fit`
+of a preset stay torch-free with `--ac selective`; tests/estimate/test_selective.py holds it equal
+to a fresh trace. Run after changing the tracer or the SAC policy:
+
+    .venv/bin/python scripts/trace_presets.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from shardfit.estimate.derived import load_coefficients, twin
+from shardfit.spec.models import PRESETS_DIR, model_spec_for, preset_names
+
+REGIMES = ("fp32", "half", "autocast")
+ATTENTION = ("sdpa", "eager")
+TARGET = PRESETS_DIR / "traced" / "selective.json"
+
+
+def kept(spec, regime: str, attention: str) -> list[float]:
+    derived = twin(spec)
+    kinds = load_coefficients(derived, regime, attention, None)["selective_kinds"]
+    counts = [count for _, count, _ in derived.block_kinds]
+    layers = max(sum(counts), 1)
+    return [sum(n * k[term] for n, k in zip(counts, kinds)) / layers for term in ("per_token", "per_token_s")]
+
+
+def table(names) -> dict:
+    out = {}
+    for name in names:
+        start = time.perf_counter()
+        spec = model_spec_for(name)
+        out[name] = {f"{regime}|{attention}": kept(spec, regime, attention) for regime in REGIMES for attention in ATTENTION}
+        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return out
+
+
+if __name__ == "__main__":
+    import transformers
+
+    data = {"transformers": transformers.__version__, "per_block_bytes": "[per token, per token x seq]",
+            "presets": table(preset_names())}
+    TARGET.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {TARGET}")

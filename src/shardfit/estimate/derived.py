@@ -1,0 +1,280 @@
+"""Activation coefficients for any transformers architecture, traced from the model's own code.
+
+A reduced-depth copy of the model (the fewest layers that hold every block kind: spec/derive.py) is
+built at its real widths on fake tensors (torch's FakeTensorMode: shapes and dtypes, no data, no
+memory) and run forward with labels at six (micro-batch, sequence) points. A saved-tensors hook
+records every tensor autograd keeps for backward, attributed to the block that was running (block
+hooks) or to the parts before the first block (embedding) and after the last (final norm, head,
+loss); casts of parameters (torch.autocast's weight cache) are counted apart. Each part's bytes are
+an exact polynomial in b and s — b*s (per token), b*s^2 (materialised attention scores), s and s^2
+(position tables, broadcast masks), b and a constant — so six points solve it exactly and a seventh
+checks it. The estimator then scales the coefficients to any micro-batch, sequence and depth.
+
+Mixture-of-experts: transformers' default experts kernel (grouped_mm) sorts the b*s*top_k routed rows
+by expert and multiplies them in one grouped matmul, so what it saves does not depend on the routing
+and traces exactly. A model whose experts loop over the tokens each expert received (data-dependent
+shapes) cannot be traced: it gets one error line naming the alternatives. The per-expert imbalance
+of the backward working set is not modelled (balanced routing is the stated assumption there).
+
+Coefficients are cached with the spec (spec/spec_cache.py): only the first estimate of a given
+(model, precision regime, attention kernel, LoRA) pays for the trace.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from fractions import Fraction
+
+from shardfit import sac
+from shardfit.errors import ShardfitError
+from shardfit.estimate.traced import _masks_as_in_eager, _materialize, _storage_key
+from shardfit.spec import spec_cache
+from shardfit.spec.derive import build_hf_model, find_blocks, quiet
+from shardfit.spec.models import derived_entry, derived_spec, load_hf_config
+
+TERMS = ("per_token", "per_token_s", "per_position", "per_position_s", "per_sample", "const")
+
+
+def trace_sequence_base(max_position: int) -> int:
+    """The shortest traced sequence; the others are 2x and 3x it (a 4th point checks the fit)."""
+    if max_position and max_position < 4 * 64:
+        return max(8, (max_position // 4) // 8 * 8)
+    return 64
+
+
+def _solve(points: dict) -> dict:
+    """Exact coefficients of v = A*b*s + B*b*s^2 + C*s + D*s^2 + E*b + F from v at b in (1, 2) and
+    three sequence lengths: the b-dependent part from differences, the rest from b = 1."""
+    lengths = sorted({s for _, s in points})
+    per_b = [Fraction(points[(2, s)] - points[(1, s)]) for s in lengths]
+    flat = [Fraction(points[(1, s)]) - d for s, d in zip(lengths, per_b)]
+    a, b_, e = _quadratic(lengths, per_b)
+    c, d, f = _quadratic(lengths, flat)
+    return {"per_token": a, "per_token_s": b_, "per_position": c, "per_position_s": d, "per_sample": e, "const": f}
+
+
+def _quadratic(xs, ys):
+    """(linear, quadratic, constant) of the parabola through three points."""
+    (x0, x1, x2), (y0, y1, y2) = xs, ys
+    q = ((y2 - y0) / (x2 - x0) - (y1 - y0) / (x1 - x0)) / (x2 - x1)
+    lin = (y1 - y0) / (x1 - x0) - q * (x0 + x1)
+    return lin, q, y0 - lin * x0 - q * x0 * x0
+
+
+def evaluate(coef: dict, b: int, s: int) -> float:
+    return float(coef["per_token"] * b * s + coef["per_token_s"] * b * s * s + coef["per_position"] * s
+                 + coef["per_position_s"] * s * s + coef["per_sample"] * b + coef["const"])
+
+
+def trace_coefficients(cfg: dict, facts: dict, regime: str, attention: str, lora: tuple | None) -> dict:
+    """Traced coefficients (floats) of every part: {"kinds": [..per block kind..], "pre", "post",
+    "first_extra", "weight_copies": {"kinds": [...], "head": n}, "check_error", "experts"}."""
+    try:
+        with quiet():
+            return _trace(cfg, facts, regime, attention, lora)
+    except _DataDependent as exc:
+        raise ShardfitError(f"{cfg.get('model_type')}: the forward cannot be traced on fake tensors ({exc}); "
+                            f"plan it as a states-only model with --params, or pass a factory 'pkg.module:fn'") from None
+
+
+class _DataDependent(Exception):
+    pass
+
+
+@contextmanager
+def _grouped_mm_on_fake_tensors():
+    """NOTE: transformers' default experts kernel (grouped_mm: sort the b*s*top_k routed rows by
+    expert, one grouped matmul) has static shapes whatever the routing, but torch's meta kernel of
+    grouped_mm accepts only bf16; the real CPU kernel takes fp32 as well. transformers' own fallback
+    op computes the same product with the same saved tensors and traces in every dtype."""
+    try:
+        from transformers.integrations import moe
+        original = moe._can_use_grouped_mm
+    except (ImportError, AttributeError):
+        yield False
+        return
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield True
+    finally:
+        moe._can_use_grouped_mm = original
+
+
+def _trace(cfg, facts, regime, attention, lora) -> dict:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dtype = torch.bfloat16 if regime == "half" else torch.float32
+    overrides = dict(facts.get("overrides") or {})
+    model = build_hf_model(cfg, device="meta", dtype=dtype, attn_implementation=attention, overrides=overrides)
+    blocks = find_blocks(model)
+    kinds = facts["kinds"]
+    if len(blocks) != len(kinds):
+        raise ShardfitError(f"{cfg.get('model_type')}: the reduced copy has {len(blocks)} blocks, expected {len(kinds)}")
+    if lora is not None:
+        model = _with_lora(model, lora)
+    model.train()
+    state = {"part": "pre"}
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda _m, _a, i=index: state.__setitem__("part", i))
+        block.register_forward_hook(lambda _m, _a, _o: state.__setitem__("part", "post"))
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 0)
+    if not vocab:
+        raise ShardfitError(f"{cfg.get('model_type')}: tracing needs a model with a vocabulary (input_ids and labels)")
+    base = trace_sequence_base(facts.get("max_position") or 0)
+    points = [(b, s * base) for s in (1, 2, 3) for b in (1, 2)] + [(3, 4 * base)]
+    autocast = regime == "autocast"
+
+    class Recorder(TorchDispatchMode):
+        """Marks outputs of a dtype cast of a parameter (torch.autocast's cached 16-bit weights), and
+        counts per block what per-op selective checkpointing would keep (shardfit/sac.py's policy
+        applied to the same ops in the same order)."""
+
+        def __init__(self, params):
+            super().__init__()
+            self.params, self.casts = params, set()
+            self.kept: dict = {}  # part -> {storage key: bytes}
+            self.held: list = []
+            self.counts: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and args and _storage_key(args[0]) in self.params:
+                self.casts.add(_storage_key(out))
+            part = state["part"]
+            if isinstance(part, int) and sac.keeps(func, self.counts.setdefault(part, defaultdict(int))):
+                for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(tensor, torch.Tensor):
+                        self.kept.setdefault(part, {})[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+                        # NOTE: held, as SAC's cache holds it: a freed storage's key could be reused.
+                        self.held.append(tensor)
+            return out
+
+    measured: dict = {}
+    kept: dict = {}
+    copies: dict = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        _materialize(model)
+        params = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        for b, s in points:
+            saved: dict = {}
+            keep = []
+
+            def pack(tensor, saved=saved, keep=keep):
+                key = _storage_key(tensor)
+                if key not in params and key not in saved:
+                    saved[key] = (state["part"], tensor.untyped_storage().nbytes())
+                    keep.append(tensor)
+                return tensor
+
+            input_ids = torch.randint(0, vocab, (b, s))
+            state["part"] = "pre"
+            # Only autocast's casts are weight copies: a 16-bit model's own fp32 casts (Gemma's
+            # 1 + weight) are ordinary saved tensors.
+            recorder = Recorder(params if autocast else set())
+            amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+            try:
+                with (_masks_as_in_eager(), _grouped_mm_on_fake_tensors(),
+                      torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, recorder):
+                    model(input_ids=input_ids, labels=input_ids)
+            except (RuntimeError, NotImplementedError) as exc:
+                text = str(exc)
+                if "data-dependent" in text.lower() or "DynamicOutputShape" in type(exc).__name__ or "dynamic" in text.lower():
+                    raise _DataDependent(text.splitlines()[0][:160]) from None
+                raise ShardfitError(f"{cfg.get('model_type')}: tracing the forward failed ({type(exc).__name__}: "
+                                    f"{text.splitlines()[0][:200]})") from None
+            parts: dict = {}
+            weight: dict = {}
+            for key, (part, nbytes) in saved.items():
+                target = weight if key in recorder.casts else parts
+                target[part] = target.get(part, 0) + nbytes
+            measured[(b, s)] = parts
+            kept[(b, s)] = {part: sum(sizes.values()) for part, sizes in recorder.kept.items()}
+            copies = weight
+            keep.clear()
+    return _coefficients(measured, kept, copies, kinds, points,
+                         getattr(model.config, "_experts_implementation", None) or "")
+
+
+def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str) -> dict:
+    fit_points, check = points[:-1], points[-1]
+
+    def solve(part, table=measured):
+        return _solve({p: table[p].get(part, 0) for p in fit_points})
+
+    n_kinds = max(kinds) + 1
+    # The representative block of each kind: its last occurrence in the reduced copy (never block 0
+    # when the kind repeats: block 0 also claims the rotary tables every block shares).
+    last = {kind: index for index, kind in enumerate(kinds)}
+    per_kind = [solve(last[k]) for k in range(n_kinds)]
+    pre, post = solve("pre"), solve("post")
+    # What blocks other than the representatives save beyond their kind's coefficients (block 0's
+    # rotary tables, a frozen first input under LoRA): counted once, with the embedding.
+    extra = {t: Fraction(0) for t in TERMS}
+    for index, kind in enumerate(kinds):
+        if index != last[kind]:
+            own = solve(index)
+            for t in TERMS:
+                extra[t] += own[t] - per_kind[kind][t]
+    predicted = (sum(evaluate(per_kind[k], *check) for k in kinds) + evaluate(pre, *check)
+                 + evaluate(post, *check) + evaluate(extra, *check))
+    actual = sum(measured[check].values())
+    error = abs(predicted - actual) / max(actual, 1)
+    as_float = lambda c: {t: float(v) for t, v in c.items()}  # noqa: E731
+    return {"kinds": [as_float(c) for c in per_kind], "pre": as_float(pre), "post": as_float(post),
+            "first_extra": as_float(extra), "check_error": error, "experts": experts,
+            # What per-op selective checkpointing keeps in each kind's block (beyond its input).
+            "selective_kinds": [as_float(solve(last[k], kept)) for k in range(n_kinds)],
+            "weight_copies": {"kinds": [float(copies.get(last[k], 0)) for k in range(n_kinds)],
+                              "head": float(sum(v for p, v in copies.items() if not isinstance(p, int)))}}
+
+
+def _with_lora(model, lora: tuple):
+    from peft import LoraConfig, get_peft_model
+
+    rank, targets, _base = lora
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets) if "all-linear" not in targets
+                        else "all-linear", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def _lora_key(lora) -> str:
+    return "none" if lora is None else f"r{lora[0]}:{','.join(lora[1])}:{lora[2]}"
+
+
+def load_coefficients(spec, regime: str, attention: str, lora) -> dict:
+    """The cached coefficients of a derived spec, tracing (torch) on a miss."""
+    entry = spec_cache.read_entry(spec.config_hash) if spec.config_hash else None
+    if entry is None:
+        entry = _entry_from_source(spec)
+    key = f"{regime}|{attention}|{_lora_key(lora)}"
+    coefficients = entry.setdefault("coefficients", {})
+    if key not in coefficients:
+        coefficients[key] = trace_coefficients(entry["config"], entry["facts"], regime, attention, lora)
+        spec_cache.write_entry(spec.config_hash, entry)
+    return coefficients[key]
+
+
+def _source_config(spec, why: str) -> dict:
+    try:
+        return load_hf_config(spec.source)
+    except ShardfitError:
+        raise ShardfitError(f"model '{spec.name}': {why}, and its config '{spec.source}' cannot be read: "
+                            f"plan it from its config.json") from None
+
+
+def twin(spec):
+    """The derived spec of a hand-written family's config: what the tracer needs for terms the
+    hand-written rules do not model (per-op selective checkpointing)."""
+    cfg = _source_config(spec, "selective checkpointing is traced from the model's config")
+    return derived_spec(cfg, spec.name, spec.source)
+
+
+def _entry_from_source(spec) -> dict:
+    """The cache entry was cleared: derive it again from the config the spec came from."""
+    cfg = _source_config(spec, "its derived coefficients are not cached")
+    return derived_entry(cfg, spec.name, spec.source)
+
+
+__all__ = ["load_coefficients", "trace_coefficients", "evaluate"]
