@@ -77,6 +77,28 @@ def block_module(spec: ModelSpec) -> str:
     return f"transformers.models.{model_type}.modeling_{model_type}"
 
 
+def script_inputs(plan: Plan, script: str, own_module: str) -> tuple[dict, dict | None]:
+    """(model config, LoRA kwargs) of an emitted training script, as template values; one error line
+    when the plan cannot be written as such a script. own_module: the formats for a user's nn.Module."""
+    t = plan.training
+    config = hf_config(plan.model)
+    if config is None:
+        raise ShardfitError(f"model '{plan.model.name}' is not a transformers model: the {script} needs a preset "
+                            f"or a config.json; for your own nn.Module use {own_module}")
+    if not plan.model.causal_lm:
+        raise ShardfitError(f"the {script} trains causal language models and {plan.model.name} is not one: "
+                            "use --format accelerate or hf-trainer with your own training script")
+    if t.lora is not None and t.lora.base_dtype in ("int8", "nf4"):
+        raise ShardfitError(f"the {script} has no quantized base ({t.lora.base_dtype}): use lora.base_dtype bf16, "
+                            "or --format hf-trainer with bitsandbytes")
+    lora = None
+    if t.lora is not None:
+        lora = {"r": t.lora.rank, "lora_alpha": t.lora.alpha, "lora_dropout": t.lora.dropout,
+                "target_modules": list(t.lora.target_modules)}
+    config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version", "dtype")}
+    return dict(sorted(config.items())), lora
+
+
 def ac_every(plan: Plan) -> int:
     return parse_activation_checkpointing(plan.training.activation_checkpointing)
 

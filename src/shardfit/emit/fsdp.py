@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
-from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, hf_config, model_functions
+from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
 
@@ -163,31 +163,17 @@ _MAIN = '''
 
 def fsdp_script(plan: Plan, version: int) -> str:
     s, t, c, sched = plan.strategy, plan.training, plan.cluster, plan.schedule
-    config = hf_config(plan.model)
-    if config is None:
-        raise ShardfitError(f"model '{plan.model.name}' is not a transformers model: the FSDP script needs a preset "
-                            "or a config.json; for your own nn.Module use --format accelerate or torchrun")
-    if not plan.model.causal_lm:
-        raise ShardfitError(f"the FSDP script trains causal language models and {plan.model.name} is not one: "
-                            "use --format accelerate or hf-trainer with your own training script")
-    if t.lora is not None and t.lora.base_dtype in ("int8", "nf4"):
-        raise ShardfitError(f"the FSDP script has no quantized base ({t.lora.base_dtype}): use lora.base_dtype bf16, "
-                            "or --format hf-trainer with bitsandbytes")
+    config, lora = script_inputs(plan, "FSDP script", "--format accelerate or torchrun")
     group = s.shard_group_size or (c.gpus_per_node if s.sharding == "hybrid_shard" and s.kind == "fsdp" else None)
     if version == 1 and group == 1 and c.world_size > 1:
         raise ShardfitError("FSDP1 hybrid shard with a shard group of 1 never syncs replicas: use --format fsdp2")
-    lora = None
-    if t.lora is not None:
-        lora = {"r": t.lora.rank, "lora_alpha": t.lora.alpha, "lora_dropout": t.lora.dropout,
-                "target_modules": list(t.lora.target_modules)}
-    config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version", "dtype")}
     fields = dict(kind="FSDP1" if version == 1 else "FSDP2", fmt="fsdp" if version == 1 else "fsdp2",
                   model=plan.model.name, label=s.label, nodes=c.nodes, gpus=c.gpus_per_node, world=c.world_size,
                   micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
                   steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
                   ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision], lora=repr(lora),
-                  config=repr(dict(sorted(config.items()))))
+                  config=repr(config))
     if version == 2:
         body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
                              offload=bool(s.offload_params))

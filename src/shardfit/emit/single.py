@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
-from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, hf_config, model_functions
+from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
 
@@ -89,26 +89,12 @@ _SCRIPT = '''    """Single-device training script written by `shardfit emit --fo
 
 def single_script(plan: Plan) -> str:
     t, sched = plan.training, plan.schedule
-    config = hf_config(plan.model)
-    if config is None:
-        raise ShardfitError(f"model '{plan.model.name}' is not a transformers model: the single-device script needs a "
-                            "preset or a config.json; for your own nn.Module use --format accelerate")
-    if not plan.model.causal_lm:
-        raise ShardfitError(f"the single-device script trains causal language models and {plan.model.name} is not "
-                            "one: use --format accelerate or hf-trainer with your own training script")
-    if t.lora is not None and t.lora.base_dtype in ("int8", "nf4"):
-        raise ShardfitError(f"the single-device script has no quantized base ({t.lora.base_dtype}): use "
-                            "lora.base_dtype bf16, or --format hf-trainer with bitsandbytes")
-    lora = None
-    if t.lora is not None:
-        lora = {"r": t.lora.rank, "lora_alpha": t.lora.alpha, "lora_dropout": t.lora.dropout,
-                "target_modules": list(t.lora.target_modules)}
-    config = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "transformers_version", "dtype")}
+    config, lora = script_inputs(plan, "single-device script", "--format accelerate")
     fields = dict(model=plan.model.name, micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch,
                   seq=t.seq_len, steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip,
                   seed=sched.seed, log_every=max(sched.log_every, 1),
                   block=plan.strategy.wrap_unit or block_class(plan.model), ac_every=ac_every(plan), model_functions=model_functions(plan),
-                  precision=t.precision, lora=repr(lora), config=repr(dict(sorted(config.items()))))
+                  precision=t.precision, lora=repr(lora), config=repr(config))
     # The template is indented in this file (so no line here reads as a top-level import) and dedented here.
     return textwrap.dedent(_SCRIPT).format(**fields)
 
