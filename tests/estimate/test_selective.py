@@ -7,7 +7,7 @@ import re
 import pytest
 
 from shardfit.estimate import estimate
-from shardfit.estimate.activations import selective_kept
+from shardfit.estimate.selective import selective_kept
 from shardfit.fit import FitRequest, fit
 from shardfit.spec.models import load_model_spec, model_spec_for
 from shardfit.spec.plan import Cluster, Plan, Schedule, Training, is_selective_ac, parse_activation_checkpointing, parse_strategy
@@ -78,12 +78,12 @@ SHIPPED = ["tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-gemma2", "tiny-gpt2
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_preset_terms_equal_a_fresh_trace(name, tmp_path, monkeypatch):
-    from shardfit.estimate.activations import _selective_kept, _shipped_selective
+    from shardfit.estimate.selective import _selective_kept, _shipped_selective
 
     monkeypatch.setenv("SHARDFIT_CACHE_DIR", str(tmp_path))
     shipped = _shipped_selective()[name]
     spec = model_spec_for(name)
-    monkeypatch.setattr("shardfit.estimate.activations._shipped_selective", lambda: {})
+    monkeypatch.setattr("shardfit.estimate.selective._shipped_selective", lambda: {})
     _selective_kept.cache_clear()
     try:
         for key, value in shipped.items():

@@ -18,12 +18,10 @@ Bytes are per token (b*s) unless named per position; `quad` terms multiply by s 
 """
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 
-from shardfit.estimate.derived import load_coefficients, twin
+from shardfit.estimate.derived import load_coefficients
 from shardfit.estimate.states import DTYPE_BYTES
-from shardfit.spec.models import PRESETS_DIR
 from shardfit.estimate.states import block_linears as _linears
 from shardfit.estimate.states import lora_adapter_params, model_linears
 
@@ -87,46 +85,6 @@ def _derived_profile(model, regime, attention, lora, device) -> Profile:
     p.first_block_discount = 0  # the trace measured block 0 as it is (first_extra)
     _shape_terms(p, model, regime, attention, lora)
     return p
-
-
-def selective_kept(model, regime: str, attention: str, lora, device: str = "cuda") -> tuple[float, float]:
-    """(per token, per token x s) bytes that per-op selective checkpointing keeps in a checkpointed
-    block beyond its input: the outputs of the matmuls it keeps (every other one) and of the
-    attention kernel, traced under the same policy the engines run (shardfit/sac.py). A hand-written
-    family's spec gets them from its derived twin (derived once, then cached like any config)."""
-    key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
-    return _selective_kept(model, regime, attention, key_lora)
-
-
-@lru_cache(maxsize=256)
-def _selective_kept(model, regime, attention, lora) -> tuple[float, float]:
-    shipped = _shipped_selective().get(model.source) if not model.derived and lora is None else None
-    if shipped is not None:
-        return tuple(shipped[f"{regime}|{attention}"])
-    derived = model if model.derived else twin(model)
-    kinds = load_coefficients(derived, regime, attention, lora)["selective_kinds"]
-    counts = [count for _, count, _ in derived.block_kinds]
-    layers = max(sum(counts), 1)
-    return (sum(n * k["per_token"] for n, k in zip(counts, kinds)) / layers,
-            sum(n * k["per_token_s"] for n, k in zip(counts, kinds)) / layers)
-
-
-def selective_available(model) -> bool:
-    """Whether selective checkpointing can be estimated without an error: a shipped preset or a
-    derived spec's cache, else a trace, which needs torch (checked without importing it)."""
-    from importlib.util import find_spec
-
-    return model.source in _shipped_selective() or find_spec("torch") is not None
-
-
-@lru_cache(maxsize=1)
-def _shipped_selective() -> dict:
-    """The presets' selective-checkpointing terms, traced once and shipped (scripts/trace_presets.py),
-    so a preset's plan stays torch-free; tests hold them equal to a fresh trace."""
-    try:
-        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text())["presets"]
-    except (OSError, ValueError, KeyError):
-        return {}
 
 
 def _shape_terms(p: Profile, model, regime: str, attention: str, lora) -> None:
@@ -426,4 +384,4 @@ def autocast_weight_copy_bytes(profile: Profile, num_layers: int, checkpointed: 
     return int((num_layers - checkpointed) * profile.weight_copies + profile.head_weight_copy)
 
 
-__all__ = ["Profile", "activation_profile", "selective_available", "selective_kept", "checkpointed_blocks", "saved_activation_bytes", "DTYPE_BYTES"]
+__all__ = ["Profile", "activation_profile", "checkpointed_blocks", "saved_activation_bytes", "DTYPE_BYTES"]

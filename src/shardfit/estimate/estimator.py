@@ -20,9 +20,11 @@ from shardfit.estimate import buffers as bufs
 from shardfit.estimate import overhead as ovh
 from shardfit.estimate import states as sts
 from shardfit.estimate import temporaries as tmp
-from shardfit.estimate.deepspeed_reference import zero2_model_states, zero3_model_states
+from shardfit.estimate import selective as sel
+from shardfit.estimate.accounting import deepspeed_estimator_states, ideal_states
 from shardfit.estimate.buffers import Buffers
 from shardfit.estimate.result import Estimate, Term
+from shardfit.spec.plan import is_selective_ac, parse_activation_checkpointing
 
 ACCOUNTING = ("real", "ideal", "deepspeed")
 OPTIMIZER_IMPLS = ("auto", "foreach", "single", "fused")
@@ -32,13 +34,11 @@ DEVICES = ("cuda", "cpu")
 
 @lru_cache(maxsize=64)
 def _every(text: str) -> int:
-    from shardfit.spec.plan import parse_activation_checkpointing
     return parse_activation_checkpointing(text)
 
 
 @lru_cache(maxsize=64)
 def _selective(text: str) -> bool:
-    from shardfit.spec.plan import is_selective_ac
     return is_selective_ac(text)
 
 
@@ -122,7 +122,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         prof = act.activation_profile(model, regime, t.attention, lora, device)
         every = _every(t.activation_checkpointing)
         n_ckpt = act.checkpointed_blocks(model.num_layers, every)
-        kept = (act.selective_kept(model, regime, t.attention, lora, device)
+        kept = (sel.selective_kept(model, regime, t.attention, lora, device)
                 if n_ckpt and _selective(t.activation_checkpointing) else (0.0, 0.0))
         a_blocks, a_head, a_block = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, n_ckpt, kept)
         loss_fwd = tmp.loss_forward_bytes(tokens, prof.loss_fwd_temp)
@@ -203,11 +203,11 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     grads_opt = params_opt = None  # the optimizer phase's own figures, where an engine differs
     use_ds = accounting == "deepspeed" and kind in ("zero2", "zero3")
     if accounting == "ideal" or (accounting == "deepspeed" and not use_ds):
-        params, grads_full, opt = _ideal(plan, shard, trained, frozen_bytes, factored, lp, host, term, notes)
+        params, grads_full, opt = ideal_states(plan, shard, trained, frozen_bytes, factored, lp, host, term, notes)
         grads_persist = grads_full
         buf = Buffers()
     elif use_ds:
-        params, grads_full, opt, temps = _deepspeed_estimator(plan, largest, host, term, notes)
+        params, grads_full, opt, temps = deepspeed_estimator_states(plan, largest, host, term, notes)
         grads_persist = grads_full
         buf = Buffers(temps)
         a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = recompute = 0
@@ -340,53 +340,6 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     return Estimate(strategy=s.label, phases=phases, overhead=overhead, host=host, nvme_bytes=int(nvme),
                     terms=tuple(terms) if explain else (), assumptions=tuple(notes) if explain else (),
                     warnings=warnings)
-
-
-def _ideal(plan, shard, trained, frozen_bytes, factored, lp, host, term, notes):
-    """The ZeRO paper's model states, FSDP mapped onto its stages; no buffers."""
-    s = plan.strategy
-    stage = {"single": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}.get(s.kind, 3)
-    if s.kind == "fsdp" and s.sharding == "shard_grad_op":
-        stage = 2
-    if s.kind == "fsdp" and s.sharding == "no_shard":
-        stage = 0
-    params, grads, opt, k = sts.ideal_states(stage, shard if stage else 1, plan.training.precision,
-                                             plan.training.optimizer, trained, factored)
-    params += int(frozen_bytes / (shard if stage >= 3 else 1))
-    if s.offload_optimizer or (s.offload_params and s.kind in ("fsdp", "fsdp2")):
-        host["offloaded_optimizer"] = opt
-        opt = 0
-    if notes is not None:
-        term("ideal.model_states", params + grads + opt,
-             "params 2P(/N at stage 3) + grads 2P(/N at stage>=2) + K*P(/N at stage>=1)",
-             {"stage": stage, "N": shard, "P": trained, "K": k, "lp": lp},
-             "ZeRO paper (Rajbhandari et al. 2020) sec. 5, Figure 1")
-        notes.append(f"ideal accounting: ZeRO stage {stage} formulas; no buffers, no runtime overhead")
-    return params, grads, opt
-
-
-def _deepspeed_estimator(plan, largest, host, term, notes):
-    """DeepSpeed's own estimator (zero2/zero3), split into our categories: (params, grads, opt, temps)."""
-    s, c, n = plan.strategy, plan.cluster, plan.model.n_params
-    world, per_node = c.nodes * c.gpus_per_node, c.gpus_per_node
-    if s.kind == "zero2":
-        cpu_mem, gpu_mem = zero2_model_states(n, per_node, c.nodes, cpu_offload=bool(s.offload_optimizer))
-        params, temps = 2 * n, 0
-    else:
-        cpu_mem, gpu_mem, temps = zero3_model_states(n, largest, per_node, c.nodes,
-                                                     cpu_offload=bool(s.offload_optimizer),
-                                                     cpu_offload_params=bool(s.offload_params))
-        params = int(2 * n / world) if (s.offload_optimizer and not s.offload_params) else 0
-    opt = 0 if s.offload_optimizer else int(12 * n / world)
-    host["deepspeed_estimate"] = int(cpu_mem / per_node)
-    if notes is not None:
-        term("deepspeed.model_states", gpu_mem, "zero2: 2P + 18P/N; zero3: 4*largest + 18P/N (offload: 2P/N or 0)",
-             {"P": n, "largest_layer": largest, "gpus_per_node": per_node, "nodes": c.nodes,
-              "offload_optimizer": s.offload_optimizer, "offload_params": s.offload_params},
-             "DeepSpeed estimate_zero{2,3}_model_states_mem_needs")
-        term("deepspeed.cpu_per_node", cpu_mem, "DeepSpeed's cpu figure (1.5 buffer factor)", {}, "DeepSpeed")
-        notes.append("deepspeed accounting: DeepSpeed's own estimator (no activations, buckets or overhead)")
-    return params, gpu_mem - params - temps - opt, opt, temps
 
 
 def _assumptions(plan, regime, shard, accounting, device, checkpoint) -> list[str]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from shardfit.errors import ShardfitError
-from shardfit.estimate.activations import selective_available
+from shardfit.estimate.estimator import estimate
+from shardfit.estimate.selective import selective_available
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.measure.report import fmt_bytes
@@ -87,7 +88,6 @@ class FitResult:
 def _estimate_fn(estimate_fn, device: str):
     if estimate_fn is not None:
         return estimate_fn
-    from shardfit.estimate.estimator import estimate
     return lambda plan: estimate(plan, device=device)
 
 
