@@ -157,11 +157,8 @@ def theoretical_comm(strategy, n_params: int, *, grad_bytes: int, param_bytes: i
     else:
         sharded = n_params - (persistent_params if kind == "zero3" else 0)
         gathers = sharded  # forward
-        # NOTE: ZeRO-3 keeps a parameter gathered when it is reused within max_reuse_distance
-        # elements (default 1e9): a smaller model is then never re-gathered in backward.
-        reuse = getattr(strategy, "max_reuse_distance", 0)
-        regather = (kind == "zero3" and reuse < n_params) or (kind == "fsdp" and strategy.sharding in ("full_shard", "hybrid_shard")) \
-            or (kind == "fsdp2" and strategy.reshard_after_forward)
+        # One fact with the step-time model: see Strategy.regathers_in_backward.
+        regather = strategy.regathers_in_backward(n_params)
         if regather:
             gathers += sharded - (root_params if kind != "zero3" else 0)
         by_kind = {"all_gather": gathers * param_bytes, "reduce_scatter": sharded * grad_bytes}

@@ -56,7 +56,7 @@ def _model_facts(model, lora_key):
     return trained, sts.frozen_base_bytes(model, base_dtype), 1.0
 
 
-def _regime(precision: str, kind: str, lora) -> str:
+def precision_regime(precision: str, kind: str, lora) -> str:
     if precision == "fp32":
         return "fp32"
     # Source: peft prepare_model_for_kbit_training upcasts a QLoRA model's unquantized weights to fp32,
@@ -117,7 +117,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
 
     # ---- activations (shared by every accounting mode) ----
     tokens, seq = t.micro_batch * t.seq_len, t.seq_len
-    regime = _regime(precision, kind, lora)
+    regime = precision_regime(precision, kind, lora)
     if model.has_shape:
         prof = act.activation_profile(model, regime, t.attention, lora, device)
         every = _every(t.activation_checkpointing)

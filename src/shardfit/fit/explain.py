@@ -10,9 +10,11 @@ from shardfit.spec.gpus import CATALOG, get_gpu
 from shardfit.spec.plan import LoRA, Strategy
 
 
-
 def _inter_bytes(plan) -> float:
-    return sum(volume for link, (volume, _, _) in comm_volume(plan).items() if link.startswith("inter"))
+    """Bytes per step that leave a node: a ring over the nodes sends one rank's volume across each
+    node boundary; a per-rank NIC collective (hybrid's replica all-reduce) sends every rank's."""
+    per_node = {"inter": 1, "nic": plan.cluster.gpus_per_node}
+    return sum(volume * per_node.get(link, 0) for link, (volume, _) in comm_volume(plan).items())
 
 
 def _why(cause: str, c, best) -> str:

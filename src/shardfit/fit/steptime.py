@@ -8,16 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardfit.estimate.states import lora_adapter_params
+from shardfit.estimate.states import lora_adapter_params, model_linears
+from shardfit.estimate.traffic import micro_batch_traffic_bytes
 from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
-# Model FLOPs utilisation of a well-tuned dense decoder step at large micro-batch: published
-# Llama/Megatron/torchtitan runs on A100/H100 report 35-55% MFU; 0.45 is the middle.
-BASE_EFFICIENCY = 0.45
+# Achieved rate of large 16-bit GEMMs as a fraction of the datasheet peak (cuBLAS on A100/H100/V100
+# reaches 70-85% on LLM-sized shapes; the rest of a step's time is the memory-bound kernels, counted
+# apart from the bytes they move, and the communication).
+GEMM_EFFICIENCY = 0.75
 # Below this many tokens per micro-batch the matmuls get thin and efficiency falls (roughly with
-# the square root of the shortfall); a 1x512 micro-batch runs at about half the rate of 1x8192.
+# the square root of the shortfall).
 EFFICIENCY_FULL_TOKENS = 8192
+# Memory-bound kernels (norms, activation functions, softmax, dropout, the loss) stream at about 80%
+# of the HBM datasheet bandwidth (STREAM-like copy benchmarks on A100/H100).
+MEMORY_EFFICIENCY = 0.8
 # fp32 runs on TF32 tensor cores at about half the 16-bit rate (A100/H100 datasheets).
 FP32_RATE_FACTOR = 0.5
 # Causal attention with FlashAttention/SDPA skips the masked upper triangle: about half the s² work.
@@ -47,7 +52,8 @@ GB = 1e9
 @dataclass(frozen=True, kw_only=True)
 class StepTime:
     """Seconds per optimizer step on one rank, split into the parts that add up to `total_s`."""
-    compute_s: float
+    compute_s: float  # matmuls + memory-bound kernels
+    memory_s: float  # of compute_s: the memory-bound kernels (activation bytes / bandwidth)
     comm_s: float  # all communication volume over its link, before overlap
     exposed_comm_s: float  # the part not hidden behind compute
     offload_s: float
@@ -121,8 +127,16 @@ def backward_share(plan: Plan) -> float:
 
 
 def efficiency(plan: Plan) -> float:
+    """Achieved fraction of the datasheet matmul rate at this micro-batch's token count."""
     tokens = plan.training.micro_batch * plan.training.seq_len
-    return BASE_EFFICIENCY * min(1.0, tokens / EFFICIENCY_FULL_TOKENS) ** 0.5
+    return GEMM_EFFICIENCY * min(1.0, tokens / EFFICIENCY_FULL_TOKENS) ** 0.5
+
+
+def memory_seconds(plan: Plan, gpu: GPU) -> float:
+    """The memory-bound kernels of every micro-batch: the activation bytes they move over the
+    achievable HBM bandwidth (estimate/traffic.py). They dominate small models and eager attention."""
+    traffic = micro_batch_traffic_bytes(plan) * plan.training.grad_accum
+    return traffic / (gpu.memory_bandwidth_gbs * GB * MEMORY_EFFICIENCY)
 
 
 def _param_bytes(plan: Plan) -> float:
@@ -133,68 +147,90 @@ def _param_bytes(plan: Plan) -> float:
     return 4.0 if t.precision == "fp32" else 2.0
 
 
-# What communication can hide behind: the whole step's compute (traffic spread over every
-# micro-batch), only the last micro-batch's backward (a reduction held back to the accumulation
+# What communication can hide behind: the forward of every micro-batch (parameter all-gathers ahead
+# of the layer that needs them), the backward of every micro-batch (gradient reductions, backward
+# all-gathers), only the last micro-batch's backward (a reduction held back to the accumulation
 # boundary: DDP under no_sync, ZeRO-1), or nothing (the ZeRO-1/2 all-gather after the step).
-WINDOW_STEP, WINDOW_BOUNDARY, WINDOW_NONE = "step", "boundary", None
+# Gradients exist only in backward, so no gradient traffic hides behind a forward.
+WINDOW_FORWARD, WINDOW_BACKWARD, WINDOW_BOUNDARY, WINDOW_NONE = "forward", "backward", "boundary", None
 
 
-def comm_volume(plan: Plan) -> dict[str, tuple[float, int, str | None]]:
-    """Bytes each rank sends per optimizer step, per link: {"intra"|"inter": (bytes, collectives,
-    window)}, window being the compute that traffic can overlap (WINDOW_*). Ring collectives move
-    (N-1)/N of the buffer per rank for all-gather and reduce-scatter, twice that for all-reduce
-    (ZeRO paper §7)."""
+@dataclass(frozen=True)
+class CommPart:
+    """One stream of collectives of a step: bytes each rank sends over `link` per optimizer step."""
+    # "intra": inside a node; "inter": one ring over every rank of several nodes, whose node-boundary
+    # hops share the node's NICs; "nic": each rank's own NIC (hybrid sharding's replica all-reduce)
+    link: str
+    bytes: float
+    collectives: int
+    window: str | None  # WINDOW_*
+
+
+def comm_parts(plan: Plan) -> list[CommPart]:
+    """The collectives of one optimizer step per rank, each with the compute it can overlap. Ring
+    collectives move (N-1)/N of the buffer per rank for all-gather and reduce-scatter, twice that for
+    all-reduce (ZeRO paper sec. 7)."""
     s, t, c, m = plan.strategy, plan.training, plan.cluster, plan.model
     n = c.world_size
     if n == 1:
-        return {}
+        return []
     accum = t.grad_accum
     weights = m.n_params * _param_bytes(plan)
     grads = trained_params(plan) * (4.0 if t.precision == "fp32" else 2.0)
     ring = (n - 1) / n
-    units = (m.num_layers or 1) + 1
-    volume = 0.0
-    collectives = 0
-    tail = 0.0  # ZeRO-1/2 parameter all-gather after the optimizer step: nothing left to overlap with
-    window = WINDOW_STEP
-    if s.kind == "ddp":
-        # Gradient all-reduce once per optimizer step (no_sync during accumulation), in buckets.
-        volume = 2 * grads * ring
-        collectives = max(1, int(grads / (s.ddp_bucket_cap_mb * 2**20)))
-        window = WINDOW_BOUNDARY if accum > 1 else WINDOW_STEP
-    elif s.kind in ("zero1", "zero2"):
+    link = "inter" if c.nodes > 1 else "intra"
+    held = WINDOW_BOUNDARY if accum > 1 else WINDOW_BACKWARD
+    if s.kind == "ddp" or (s.kind == "fsdp" and s.sharding == "no_shard"):
+        # DDP: one bucketed all-reduce per optimizer step (no_sync during accumulation); FSDP1
+        # NO_SHARD reduces every micro-batch.
+        reductions = 1 if s.kind == "ddp" else accum
+        buckets = max(1, int(grads / (s.ddp_bucket_cap_mb * 2**20))) if s.kind == "ddp" else (m.num_layers or 1) + 1
+        return [CommPart(link, 2 * grads * ring * reductions, buckets * reductions,
+                         held if reductions == 1 else WINDOW_BACKWARD)]
+    if s.kind in ("zero1", "zero2"):
         # ZeRO-1 reduces at the boundary; ZeRO-2 every micro-batch (it can't keep full grads). DeepSpeed
         # 0.19 reduces each bucket with an all-reduce (average_tensor -> allreduce_and_scatter, since
         # use_multi_rank_bucket_allreduce defaults on), not the paper's reduce-scatter: 2x the gradient
-        # bytes, so ZeRO-1/2 move 3P per step, not 2P (measured 1.5x by `shardfit bench`; README, bench section).
+        # bytes, so ZeRO-1/2 move 3P per step, not 2P (measured 1.5x by `shardfit bench`; README, bench
+        # section). The updated 16-bit partitions are all-gathered after the step: nothing to hide behind.
         reductions = 1 if s.kind == "zero1" else accum
-        volume = 2 * grads * ring * reductions
-        window = WINDOW_BOUNDARY if reductions == 1 and accum > 1 else WINDOW_STEP
-        collectives = reductions * max(1, int(grads / 2 / max(s.reduce_bucket_size, 1)))
-        tail = weights * ring
-        collectives += max(1, int(weights / 2 / max(s.allgather_bucket_size, 1)))
-    elif s.kind == "zero3" or (s.kind in ("fsdp", "fsdp2")):
-        regather = s.kind == "zero3" or (s.kind == "fsdp" and s.sharding in ("full_shard", "hybrid_shard")) or (
-            s.kind == "fsdp2" and s.reshard_after_forward)
-        if s.kind == "fsdp" and s.sharding == "no_shard":
-            volume, collectives = 2 * grads * ring * accum, units * accum
-        else:
-            gathers = 2 if regather else 1
-            group = _shard_group(plan)
-            if group < n:
-                # Hybrid: shard inside the group over fast links, all-reduce the shards across groups.
-                intra = (weights * gathers + grads) * (group - 1) / group * accum
-                replicas = n // group
-                inter = 2 * grads / group * (replicas - 1) / replicas * accum
-                return {"intra": (intra, units * (gathers + 1) * accum, WINDOW_STEP),
-                        "inter": (inter, units * accum, WINDOW_STEP)}
-            volume = (weights * gathers + grads) * ring * accum
-            collectives = units * (gathers + 1) * accum
-    link = "inter" if c.nodes > 1 else "intra"
-    out = {link: (volume, collectives, window)}
-    if tail:
-        out[link + "-tail"] = (tail, 1, WINDOW_NONE)
+        buckets = max(1, int(grads / 2 / max(s.reduce_bucket_size, 1)))
+        return [CommPart(link, 2 * grads * ring * reductions, reductions * buckets,
+                         held if reductions == 1 else WINDOW_BACKWARD),
+                CommPart(link, weights * ring, max(1, int(weights / 2 / max(s.allgather_bucket_size, 1))), WINDOW_NONE)]
+    # Sharded parameters (ZeRO-3, FSDP, FSDP2): all-gather ahead of each unit's forward, again in
+    # backward unless kept gathered, and reduce-scatter the gradients, for every micro-batch.
+    regather = s.regathers_in_backward(m.n_params)
+    units = _gather_units(plan)
+    group = _shard_group(plan)
+    if group < n:
+        # Hybrid: shard inside the group over fast links, all-reduce the shards across groups.
+        inner = (group - 1) / group
+        replicas = n // group
+        return [CommPart("intra", weights * inner * accum, units * accum, WINDOW_FORWARD),
+                CommPart("intra", (weights * regather + grads) * inner * accum, units * (1 + regather) * accum,
+                         WINDOW_BACKWARD),
+                CommPart("nic", 2 * grads / group * (replicas - 1) / replicas * accum, units * accum, WINDOW_BACKWARD)]
+    return [CommPart(link, weights * ring * accum, units * accum, WINDOW_FORWARD),
+            CommPart(link, (weights * regather + grads) * ring * accum, units * (1 + regather) * accum, WINDOW_BACKWARD)]
+
+
+def comm_volume(plan: Plan) -> dict[str, tuple[float, int]]:
+    """Bytes and collectives each rank sends per optimizer step, per link ("intra" | "inter" | "nic")."""
+    out: dict[str, tuple[float, int]] = {}
+    for part in comm_parts(plan):
+        volume, collectives = out.get(part.link, (0.0, 0))
+        out[part.link] = (volume + part.bytes, collectives + part.collectives)
     return out
+
+
+def _gather_units(plan: Plan) -> int:
+    """Collectives per gather pass: FSDP gathers one wrapped block at a time; DeepSpeed ZeRO-3 fetches
+    each submodule that owns partitioned parameters (every block linear), plus the root's."""
+    m = plan.model
+    if plan.strategy.kind == "zero3" and m.has_shape and m.num_layers:
+        return max(sum(count for *_, count in model_linears(m)), m.num_layers) + 1
+    return (m.num_layers or 1) + 1
 
 
 def _shard_group(plan: Plan) -> int:
@@ -240,24 +276,43 @@ def optimizer_seconds(plan: Plan, gpu: GPU) -> float:
     return trained_params(plan) / shard * ADAM_BYTES_PER_PARAM / (gpu.memory_bandwidth_gbs * GB)
 
 
+def _link_gbs(link: str, gpu: GPU, gpus_per_node: int) -> float:
+    """Bandwidth per rank of a link. The catalog's inter-node rate is one NIC per GPU. A ring over
+    several nodes sends each rank's bytes to its neighbour over NVLink, and only the node-boundary
+    hops over the network: NCCL runs one ring per NIC, so a node's outgoing bytes equal one rank's
+    and spread over all its NICs (why nccl-tests' multi-node bus bandwidth is ~NICs x NIC rate)."""
+    if link == "intra":
+        return gpu.intra_node_gbs
+    if link == "inter":
+        return min(gpu.intra_node_gbs, gpu.inter_node_gbs * gpus_per_node)
+    return gpu.inter_node_gbs
+
+
 def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
     """Predicted seconds per optimizer step for one rank of `plan`."""
     gpu = gpu or get_gpu(plan.cluster.gpu)
+    t = plan.training
     flops, model_flops = step_flops(plan)
     eff = efficiency(plan)
-    rate = gpu.bf16_tflops * 1e12 * eff * (FP32_RATE_FACTOR if plan.training.precision == "fp32" else 1.0)
-    compute = flops / rate
+    rate = gpu.bf16_tflops * 1e12 * eff * (FP32_RATE_FACTOR if t.precision == "fp32" else 1.0)
+    memory = memory_seconds(plan, gpu)
+    compute = flops / rate + memory
+    backward = compute * backward_share(plan)
+    hide_behind = {WINDOW_FORWARD: compute - backward, WINDOW_BACKWARD: backward,
+                   WINDOW_BOUNDARY: backward / t.grad_accum, WINDOW_NONE: 0.0}
     comm_total = exposed = comm_bytes = 0.0
-    for link, (volume, collectives, window) in comm_volume(plan).items():
-        inter = link.startswith("inter")
-        bandwidth = (gpu.inter_node_gbs if inter else gpu.intra_node_gbs) * GB * LINK_EFFICIENCY
-        seconds = volume / bandwidth + collectives * (LATENCY_INTER_S if inter else LATENCY_INTRA_S)
+    for part in comm_parts(plan):
+        inter = part.link != "intra"
+        bandwidth = _link_gbs(part.link, gpu, plan.cluster.gpus_per_node) * GB * LINK_EFFICIENCY
+        seconds = part.bytes / bandwidth + part.collectives * (LATENCY_INTER_S if inter else LATENCY_INTRA_S)
         comm_total += seconds
-        comm_bytes += volume
-        overlap = OVERLAP if (window and plan.strategy.overlap_comm) else 0.0
-        hide = compute if window == WINDOW_STEP else compute / plan.training.grad_accum * backward_share(plan)
-        exposed += max(seconds - overlap * hide, (1 - overlap) * seconds)
-    return StepTime(compute_s=compute, comm_s=comm_total, exposed_comm_s=exposed,
+        comm_bytes += part.bytes
+        # The first unit's all-gather of every forward has no earlier layer to hide behind.
+        fill = seconds / max(part.collectives, 1) * t.grad_accum if part.window == WINDOW_FORWARD else 0.0
+        overlap = OVERLAP if (part.window and plan.strategy.overlap_comm) else 0.0
+        rest = seconds - fill
+        exposed += fill + max(rest - overlap * hide_behind[part.window], (1 - overlap) * rest)
+    return StepTime(compute_s=compute, memory_s=memory, comm_s=comm_total, exposed_comm_s=exposed,
                     offload_s=offload_seconds(plan, gpu), optimizer_s=optimizer_seconds(plan, gpu),
-                    tokens=plan.training.micro_batch * plan.training.seq_len * plan.training.grad_accum,
+                    tokens=t.micro_batch * t.seq_len * t.grad_accum,
                     flops=flops, model_flops=model_flops, comm_bytes=comm_bytes, efficiency=eff)

@@ -77,6 +77,17 @@ class Strategy:
     def is_deepspeed(self) -> bool:
         return self.kind.startswith("zero")
 
+    def regathers_in_backward(self, n_params: int) -> bool:
+        """Whether sharded parameters are all-gathered again in backward: FSDP1 FULL/HYBRID_SHARD and
+        FSDP2 with reshard_after_forward free them after forward; ZeRO-3 keeps a released parameter
+        gathered when it is reused within max_reuse_distance elements, which at DeepSpeed's default
+        covers every model under ~1B parameters."""
+        if self.kind == "zero3":
+            return self.max_reuse_distance < n_params
+        if self.kind == "fsdp":
+            return self.sharding in ("full_shard", "hybrid_shard")
+        return self.kind == "fsdp2" and self.reshard_after_forward
+
 
 def parse_strategy(text: str) -> Strategy:
     """Parse `single`, `ddp`, `fsdp:shard_grad_op`, `fsdp2:no_reshard`, `zero3+offload`, `zero3+offload-nvme`,
