@@ -3,6 +3,7 @@ ClusterConfig loader and launch argument parser, transformers.TrainingArguments.
 import ast
 import json
 import subprocess
+from dataclasses import replace
 
 import pytest
 
@@ -17,7 +18,6 @@ BIG = load_model_spec("llama-3.1-8b")
 
 def make(strategy, model=TINY, nodes=1, gpus=1, precision="bf16", ac="none", micro=2, accum=4, optimizer="adamw",
          lora=None, **strategy_changes):
-    from dataclasses import replace
     s = replace(parse_strategy(strategy), **strategy_changes)
     return Plan(model=model, strategy=s,
                 training=Training(micro_batch=micro, grad_accum=accum, precision=precision, activation_checkpointing=ac,
@@ -183,3 +183,22 @@ def test_fsdp_scripts_never_emit_fsdp1_hybrid_with_shard_group_of_one():
     lora_plan = make("fsdp2", lora=LoRA(rank=4, base_dtype="nf4"))
     with pytest.raises(ShardfitError, match="nf4"):
         emit(lora_plan, "fsdp2")
+
+
+@pytest.mark.parametrize("label", ["zero1", "zero2", "zero3", "zero2+offload", "zero3+offload", "zero3+offload-opt"])
+def test_engines_run_the_zero_section_emit_writes(label):
+    # One builder: what train/bench/profile hand DeepSpeed is what `emit --format deepspeed` gives users
+    # (on a GPU; a CPU run only turns pinned host buffers off).
+    from shardfit.emit.deepspeed import deepspeed_config
+    from shardfit.engines.deepspeed import ds_config
+
+    strategy = replace(parse_strategy(label), max_reuse_distance=12345, prefetch_bucket_size=777)
+    plan = Plan(model=load_model_spec("tiny-llama"), strategy=strategy)
+    emitted = deepspeed_config(plan)["zero_optimization"]
+    assert ds_config(plan, plan.cluster.world_size, cuda=True)["zero_optimization"] == emitted
+    on_cpu = ds_config(plan, 2, cuda=False)["zero_optimization"]
+    for key in ("offload_optimizer", "offload_param"):
+        if key in emitted:
+            assert on_cpu[key] == {**emitted[key], "pin_memory": False}
+    if strategy.kind == "zero3":
+        assert emitted["stage3_max_reuse_distance"] == 12345

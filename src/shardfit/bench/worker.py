@@ -74,33 +74,11 @@ class Batches:
 
 def _engine(plan, ctx):
     """The plan's model on shardfit.engines, built on CPU with the plan's seed (same weights
-    everywhere), plus the DeepSpeed reuse-distance bridge below."""
+    everywhere)."""
     from shardfit import engines
     from shardfit.train.loop import build_model
 
-    _pass_reuse_distance()
     return engines.setup(plan, build_model(plan), ctx)
-
-
-def _pass_reuse_distance():
-    """NOTE: engines.deepspeed.ds_config does not (yet) pass strategy.max_reuse_distance; at
-    DeepSpeed's default (1e9 elements) ZeRO-3 never re-gathers a model under ~1B in backward, so
-    the bench's tiny model would not show ZeRO-3's traffic. Remove once ds_config passes it."""
-    from shardfit.engines import deepspeed as ds_engine
-
-    original = ds_engine.ds_config
-    if getattr(original, "_bench_bridge", False):
-        return
-
-    def ds_config(plan, world_size, cuda):
-        config = original(plan, world_size, cuda)
-        zero = config.get("zero_optimization", {})
-        if zero.get("stage") == 3:
-            zero.setdefault("stage3_max_reuse_distance", plan.strategy.max_reuse_distance)
-        return config
-
-    ds_config._bench_bridge = True
-    ds_engine.ds_config = ds_config
 
 
 def _step(engine, batch, comm=None):

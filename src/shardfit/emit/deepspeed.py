@@ -5,38 +5,11 @@ import json
 
 from shardfit.emit.common import Emitted, EmitOptions
 from shardfit.errors import ShardfitError
+from shardfit.spec.deepspeed_config import zero_optimization
 from shardfit.spec.plan import Plan
 
 # DeepSpeed's native optimizer types; others run as a client optimizer built in the training script.
 _DS_OPTIMIZERS = {"adamw": "AdamW", "lion": "Lion"}
-
-
-def _offload(device: str | None, nvme_path: str | None) -> dict:
-    section = {"device": device, "pin_memory": True}
-    if device == "nvme":
-        section["nvme_path"] = nvme_path
-    return section
-
-
-def zero_section(plan: Plan) -> dict:
-    s = plan.strategy
-    stage = int(s.kind[-1])
-    zero = {"stage": stage, "overlap_comm": s.overlap_comm, "contiguous_gradients": True,
-            "reduce_bucket_size": s.reduce_bucket_size}
-    if stage in (1, 2):
-        zero.update(reduce_scatter=True, allgather_partitions=True, allgather_bucket_size=s.allgather_bucket_size)
-    else:
-        zero.update(stage3_prefetch_bucket_size=s.prefetch_bucket_size,
-                    stage3_param_persistence_threshold=s.param_persistence_threshold,
-                    stage3_max_live_parameters=s.max_live_parameters,
-                    stage3_max_reuse_distance=s.max_reuse_distance,
-                    # Sharded checkpoints: gathering 16-bit weights on rank 0 at save time needs the whole model there.
-                    stage3_gather_16bit_weights_on_model_save=False)
-    if s.offload_optimizer:
-        zero["offload_optimizer"] = _offload(s.offload_optimizer, s.nvme_path)
-    if s.offload_params:
-        zero["offload_param"] = _offload(s.offload_params, s.nvme_path)
-    return zero
 
 
 def deepspeed_config(plan: Plan) -> dict:
@@ -60,7 +33,7 @@ def deepspeed_config(plan: Plan) -> dict:
         scale = 1.0 if t.loss_scaling is False else 0
         config["fp16"] = {"enabled": True, "loss_scale": scale, "initial_scale_power": 16,
                           "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
-    config["zero_optimization"] = zero_section(plan)
+    config["zero_optimization"] = zero_optimization(s)
     if t.optimizer in _DS_OPTIMIZERS:
         config["optimizer"] = {"type": _DS_OPTIMIZERS[t.optimizer],
                                "params": {"lr": sched.lr, "betas": [0.9, 0.95], "eps": 1e-8,

@@ -10,29 +10,16 @@ import torch
 
 from shardfit.engines import base
 from shardfit.errors import ShardfitError
+from shardfit.spec.deepspeed_config import zero_optimization
 
 TAG = "ds"  # one tag per checkpoint directory: the step lives in the directory name
 
 
 def ds_config(plan, world_size: int, cuda: bool) -> dict:
-    """The DeepSpeed JSON for a Plan (also what `shardfit emit` would show)."""
+    """The DeepSpeed JSON the engines run: emit's zero_optimization (one builder), with torch's AdamW as
+    the client optimizer and the loop's own LR schedule (so every engine runs the same math)."""
     s, t, sched = plan.strategy, plan.training, plan.schedule
-    stage = int(s.kind[-1])
-    zero = {"stage": stage, "overlap_comm": s.overlap_comm, "contiguous_gradients": True,
-            "reduce_bucket_size": s.reduce_bucket_size}
-    if stage < 3:
-        zero["allgather_bucket_size"] = s.allgather_bucket_size
-        zero["reduce_scatter"] = True
-    else:
-        zero.update({"stage3_prefetch_bucket_size": s.prefetch_bucket_size,
-                     "stage3_param_persistence_threshold": s.param_persistence_threshold,
-                     "stage3_max_live_parameters": s.max_live_parameters,
-                     "stage3_gather_16bit_weights_on_model_save": False})
-    for key, device in (("offload_optimizer", s.offload_optimizer), ("offload_param", s.offload_params)):
-        if device:
-            zero[key] = {"device": device, "pin_memory": cuda}
-            if device == "nvme":
-                zero[key]["nvme_path"] = s.nvme_path
+    zero = zero_optimization(s, pin_memory=cuda)
     config = {
         "train_micro_batch_size_per_gpu": t.micro_batch,
         "gradient_accumulation_steps": t.grad_accum,
