@@ -14,12 +14,12 @@ def test_table_has_every_strategy_and_category():
     for label in ("ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard", "fsdp:no_shard", "fsdp2",
                   "zero1", "zero2", "zero3", "zero2+offload", "zero3+offload"):
         assert f"\n{label} " in out, label
-    for column in ("params", "grads", "optim", "activ", "temps", "peak", "ovhd", "total", "host", "fits", "peak set by"):
+    for column in ("params", "grads", "optim", "activ", "temps", "peak", "ovhd", "total", "host", "fits", "peak set by (phase / largest category)"):
         assert column in out
     ddp = next(line for line in out.splitlines() if line.startswith("ddp "))
     assert " NO " in ddp  # 16 B/param of an 8B model cannot fit in 80 GB
     fsdp = next(line for line in out.splitlines() if line.startswith("fsdp2 "))
-    assert " yes " in fsdp and "backward/" in fsdp
+    assert " yes " in fsdp and "backward / " in fsdp
 
 
 def test_json_schema():
@@ -95,7 +95,7 @@ def test_plan_file_round_trip(tmp_path):
     (["llama-3.1-8b", "--seq", "0"], "seq_len must be at least 1"),
     (["llama-3.1-8b", "--gpus", "-8"], "--gpus must be at least 1"),
     (["--params", "-5"], "--params must be a positive number"),
-    (["llama-3.1-8b", "--lora-r", "0"], "lora.rank must be at least 1"),
+    (["llama-3.1-8b", "--lora-r", "0"], "--lora-r must be at least 1"),
     (["llama-3.1-8b", "--lora-r", "8", "--lora-targets", "qq_proj"], "LoRA target 'qq_proj'"),
     (["llama-3.1-8b", "--precision", "fp8"], "training.precision 'fp8' is not known"),
     (["llama-3.1-8b", "--ac", "sometimes"], "activation checkpointing 'sometimes'"),

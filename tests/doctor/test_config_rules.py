@@ -123,7 +123,9 @@ def test_full_state_dict_on_rank0(tmp_path):
     hf = {"output_dir": "out", "per_device_train_batch_size": 1, "fsdp": True,
           "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}  # HF's default: FULL_STATE_DICT
     path = write(tmp_path, "args.json", hf)
-    assert rules(path, model=L70B, gpu=H100)["full-state-dict-rank0"].severity == "error"
+    # 70B in fp32 is 261 GiB gathered into rank 0's host RAM: beyond a 256 GiB host, a cost on a bigger one.
+    assert rules(path, model=L70B, gpu=H100, host_memory_gib=256)["full-state-dict-rank0"].severity == "error"
+    assert rules(path, model=L70B, gpu=H100)["full-state-dict-rank0"].severity == "warning"
     assert "full-state-dict-rank0" not in rules(path, model=load_model_spec("llama-1b"), gpu=H100)
     hf["fsdp_config"]["state_dict_type"] = "SHARDED_STATE_DICT"
     assert "full-state-dict-rank0" not in rules(write(tmp_path, "sharded.json", hf), model=L70B, gpu=H100)
@@ -234,3 +236,50 @@ def test_one_process_configs_are_read_as_single(tmp_path):
              "cluster": {"nodes": 1, "gpus_per_node": 1, "gpu": "H100-80GB"}}
     report = diagnose([write(tmp_path, "plan.yaml", small)], Context(gpu=H100))
     assert report.errors == 0
+
+
+# HF's ds_config templates (transformers docs, "DeepSpeed"): everything the Trainer knows is "auto".
+HF_AUTO_ZERO3 = {"fp16": {"enabled": "auto", "loss_scale": 0}, "bf16": {"enabled": "auto"},
+                 "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": "auto",
+                                       "stage3_prefetch_bucket_size": "auto",
+                                       "stage3_gather_16bit_weights_on_model_save": True},
+                 "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+                 "train_micro_batch_size_per_gpu": "auto"}
+
+
+def test_auto_values_are_resolved_from_flags_or_said_to_be_assumed(tmp_path):
+    path = write(tmp_path, "ds_config.json", HF_AUTO_ZERO3)
+    report = diagnose([path], Context())
+    assert report.setup.precision is None  # "auto" is not fp32
+    assert set(report.setup.auto) == {"precision", "micro_batch", "grad_accum", "global_batch"}
+    assert "auto-values" in {f.rule for f in report.findings}  # never "no findings"
+    assert any(line.startswith('precision is "auto"') and "assumed bf16; give --precision" in line
+               for line in report.assumed)
+    # The flags fill them in; what was taken from a flag is said, and the rules use it.
+    ctx = Context(model=L70B, gpu=H100, gpus_per_node=8, seq_len=4096)
+    flags = {"precision": "bf16", "micro_batch": 8, "grad_accum": 2, "global_batch": 128,
+             "activation_checkpointing": False}
+    report = diagnose([path], ctx, flags)
+    assert report.setup.micro_batch == 8 and report.setup.precision == "bf16" and not report.setup.auto
+    assert 'micro batch 8 from --micro-batch ("auto" in the configs)' in report.assumed
+    found = {f.rule: f for f in report.findings}
+    assert "auto-values" not in found
+    assert "micro-batch 8" in found["does-not-fit"].message and "AC none" in found["does-not-fit"].message
+
+
+def test_auto_in_the_ds_config_and_a_value_in_the_trainer_args(tmp_path):
+    ds_path = write(tmp_path, "ds_config.json", HF_AUTO_ZERO3)
+    args = write(tmp_path, "args.json", {"output_dir": "out", "per_device_train_batch_size": 4, "bf16": True,
+                                         "gradient_accumulation_steps": 2, "deepspeed": ds_path})
+    report = diagnose([args], Context())
+    assert report.setup.micro_batch == 4 and report.setup.precision == "bf16"
+    assert report.setup.auto == ("global_batch",)
+
+
+def test_full_state_dict_names_rank0_host_ram(tmp_path):
+    path = write(tmp_path, "ds_config.json", HF_AUTO_ZERO3)
+    small_host = rules(path, model=L70B, gpu=H100, gpus_per_node=8, host_memory_gib=128)["full-state-dict-rank0"]
+    assert small_host.severity == "error" and "rank 0's host RAM" in small_host.message
+    assert "128 GiB (--host-memory-gib)" in small_host.message
+    assumed = rules(path, model=L70B, gpu=H100, gpus_per_node=8)["full-state-dict-rank0"]
+    assert assumed.severity == "warning" and "assumed for 8 x H100-80GB" in assumed.message

@@ -11,13 +11,15 @@ from shardfit.commands.emit import OUTPUT_HELP
 from shardfit.emit import FORMATS, emit
 from shardfit.errors import ShardfitError
 from shardfit.spec.models import load_model_spec
-from shardfit.spec.plan import Cluster, Plan, parse_strategy
+from shardfit.spec.plan import Cluster, Plan, Schedule, parse_strategy
 from shardfit.spec.planfile import dump_plan
 
 
 @pytest.fixture
 def plan_path(tmp_path):
-    plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("zero2"), cluster=Cluster(gpus_per_node=2))
+    # A chosen schedule: these tests are about where files go (placeholders: test_placeholders.py).
+    plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("zero2"), cluster=Cluster(gpus_per_node=2),
+                schedule=Schedule(lr=1e-4, steps=200))
     return dump_plan(plan, tmp_path / "plan.yaml")
 
 

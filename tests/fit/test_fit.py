@@ -97,8 +97,10 @@ def test_nothing_fits_says_what_would():
     assert result.best is None and not result.alternatives
     text = "\n".join(result.suggestions)
     assert "nothing fits" in result.suggestions[0]
-    assert "more GPUs: 32 (4 nodes x 8) with fsdp2" in text and "--nodes 4" in text
-    assert "LoRA: --lora-r 16" in text
+    assert "more GPUs: --gpus 32 --nodes 4 (4 nodes x 8) with fsdp2 needs" in text
+    assert "LoRA: --lora-r 16" in text and "QLoRA: --lora-r 16 --lora-base nf4" in text
+    assert "8-bit optimizer: --optimizer adamw8bit" in text
+    assert all("host RAM" in s for s in result.suggestions[1:])
     assert "zero3" not in text  # suggestions stay within the engines asked for
     assert all(r.reason.startswith("does not fit") for r in result.rejected)
     assert any("host RAM" in r.reason for r in result.rejected if "offload" in r.family)

@@ -11,8 +11,8 @@ from shardfit.errors import ShardfitError
 
 def add_arguments(parser) -> None:
     parser.add_argument("plan", nargs="?", help="plan YAML (default: the embedded tiny-llama plan)")
-    parser.add_argument("--strategies", default=None,
-                        help="comma list (default: ddp,fsdp:full_shard,fsdp:shard_grad_op,fsdp2,zero1,zero2,zero3,zero3+offload; "
+    parser.add_argument("--strategies", "--strategy", default=None, dest="strategies",
+                        help="comma list, the same labels as plan --strategy and fit print (default: ddp,fsdp:full_shard,fsdp:shard_grad_op,fsdp2,zero1,zero2,zero3,zero3+offload; "
                              "single first with --nproc 1). A single row always runs one process")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy, after warm-up (default 5)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps; the last one is instrumented (default 2)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="preset name (see `shardfit models`), config.json path/folder, or pkg.module:fn")
@@ -15,8 +17,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seq", type=int, default=2048, help="sequence length in tokens (default 2048)")
     parser.add_argument("--global-batch", type=int, dest="global_batch",
                         help="sequences per optimizer step, kept fixed (default 4 per GPU)")
-    parser.add_argument("--lora-r", type=int, dest="lora_r", help="train LoRA adapters of this rank")
-    parser.add_argument("--lora-base", default="bf16", dest="lora_base", help="frozen base dtype: bf16, fp16, fp32, int8, nf4")
+    add_lora_arguments(parser)
     parser.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
                         help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling)")
@@ -42,7 +43,7 @@ def request_from_args(args):
     from shardfit.errors import ShardfitError
     from shardfit.fit import FitRequest
     from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import LoRA, Plan, Schedule
+    from shardfit.spec.plan import Plan, Schedule
 
     engines = tuple(e.strip().lower() for e in args.engine.split(",") if e.strip())
     unknown = [e for e in engines if e not in ("single", "ddp", "deepspeed", "fsdp")]
@@ -51,9 +52,7 @@ def request_from_args(args):
     if args.top < 0:
         raise ShardfitError(f"--top must be 0 or more, got {args.top}")
     model = load_model_spec(args.model)
-    lora = LoRA(rank=args.lora_r, base_dtype=args.lora_base) if args.lora_r else None
-    if args.lora_r is not None and args.lora_r < 1:
-        raise ShardfitError(f"--lora-r must be at least 1, got {args.lora_r}")
+    lora = lora_from_args(args, model)
     base = Plan(model=model)
     if args.steps is not None:
         if args.steps < 1:
@@ -94,6 +93,8 @@ def run(args) -> int:
         print(json.dumps(data, indent=2))
     else:
         print(format_text(result))
+        if lora_asked(args):
+            print(f"note: {lora_line(result.request.lora, args)}")
         if checked is not None:
             print(checked.line())
         if args.output and ok:

@@ -6,6 +6,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
 from shardfit.errors import ShardfitError
 
 # single is listed only for a one-GPU cluster: everywhere else it is not a way to run the plan.
@@ -32,9 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grad-accum", type=int, default=None)
     parser.add_argument("--ac", default=None, help="activation checkpointing: none | selective (per-op: matmul and attention outputs kept) | full | every-N")
     parser.add_argument("--attention", default=None, help="sdpa (flash, no s*s scores) | eager")
-    parser.add_argument("--lora-r", type=int, default=None, help="LoRA rank (turns LoRA on)")
-    parser.add_argument("--lora-targets", default=None, help="comma-separated modules, e.g. q_proj,v_proj or all-linear")
-    parser.add_argument("--lora-base-dtype", default=None, help="frozen base weights: bf16 | fp16 | fp32 | int8 | nf4")
+    add_lora_arguments(parser)
     parser.add_argument("--offload", default=None, help="cpu | nvme: offload where each strategy can")
     parser.add_argument("--nvme-path", default=None, help="NVMe mount for --offload nvme")
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid shard group size (default GPUs per node)")
@@ -74,7 +73,7 @@ def _split_gpus(args, cluster):
 def build_plan(args):
     """The base Plan from MODEL / --params / PLAN file, with the flags applied on top."""
     from shardfit.spec.model_spec import params_only_spec
-    from shardfit.spec.plan import LoRA, Plan
+    from shardfit.spec.plan import Plan
 
     if args.params is not None:
         if args.model is not None:
@@ -98,16 +97,7 @@ def build_plan(args):
     if args.precision is not None:
         changes["precision"] = args.precision.strip().lower()
     t = replace(t, **changes)
-    if args.lora_r is not None or args.lora_targets is not None or args.lora_base_dtype is not None:
-        lora = t.lora or LoRA()
-        lora_changes = {}
-        if args.lora_r is not None:
-            lora_changes["rank"] = args.lora_r
-        if args.lora_targets is not None:
-            lora_changes["target_modules"] = tuple(x.strip() for x in args.lora_targets.split(",") if x.strip())
-        if args.lora_base_dtype is not None:
-            lora_changes["base_dtype"] = args.lora_base_dtype.strip().lower()
-        t = replace(t, lora=replace(lora, **lora_changes))
+    t = replace(t, lora=lora_from_args(args, plan.model, t.lora))
     if args.gpu is not None:
         c = replace(c, gpu=args.gpu)
     c = _split_gpus(args, c)
@@ -202,6 +192,8 @@ def run(args) -> int:
         sys.stdout.write(report.to_json(doc) + "\n")
         return 0
     print(report.table(plan, gpu, rows, args.accounting, args.device, skipped))
+    if lora_asked(args):
+        print(f"note: {lora_line(plan.training.lora, args)}")
     if args.explain:
         print(report.explain(rows))
     return 0

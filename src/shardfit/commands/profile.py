@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shardfit.commands.lora_flags import add_lora_arguments
+
 DEFAULT_PLAN = {"model": "tiny-llama", "strategy": {"kind": "ddp"},
                 "training": {"micro_batch": 2, "seq_len": 128, "precision": "fp32"}}
 
@@ -25,6 +27,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--seq", type=int, help="sequence length")
     group.add_argument("--grad-accum", type=int, dest="grad_accum")
     group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
+    add_lora_arguments(group, base_default_text="fp32 for profile")
     group.add_argument("--bucket", type=float, help="DeepSpeed reduce/allgather/prefetch bucket size (elements)")
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=2, help="steps to run; the last is reported (default 2)")
@@ -47,6 +50,7 @@ def argparse_suppress():
 
 def build_plan_dict(args) -> dict:
     from shardfit.errors import ShardfitError
+    from shardfit.spec.fields import lora_section
 
     data = json.loads(json.dumps(DEFAULT_PLAN))
     if args.plan:
@@ -75,6 +79,11 @@ def build_plan_dict(args) -> dict:
                       ("grad_accum", "grad_accum"), ("ac", "activation_checkpointing")):
         if getattr(args, flag) is not None:
             training[key] = getattr(args, flag)
+    lora = lora_section(training.get("lora"), args.lora_r, args.lora_targets, args.lora_base, "fp32")
+    if lora is not None:
+        from shardfit.estimate.lora_targets import with_default_targets
+
+        training["lora"] = with_default_targets(lora, data.get("model"))
     cluster = dict(data.get("cluster") or {})
     cluster.setdefault("nodes", 1)
     cluster["gpus_per_node"] = args.nproc or (1 if strategy.get("kind") == "single" else 2)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+from shardfit.commands.lora_flags import add_lora_arguments
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("plan", nargs="?", help="plan YAML (default: tiny-llama on CPU, fp32, 20 steps)")
@@ -24,7 +26,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
     group.add_argument("--lr", type=float)
     group.add_argument("--seed", type=int)
-    group.add_argument("--lora-rank", type=int, dest="lora_rank", help="train LoRA adapters of this rank")
+    add_lora_arguments(group, base_default_text="fp32 for train")
     group.add_argument("--shard-group-size", type=int, dest="shard_group_size", help="HSDP: ranks per shard group")
     group.add_argument("--data", help="local .txt or .jsonl file (default: the embedded corpus)")
     group.add_argument("--tokenizer", help="local HF tokenizer directory (default: byte-level)")

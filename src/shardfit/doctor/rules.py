@@ -36,6 +36,7 @@ class Context:
     nodes: int | None = None
     seq_len: int | None = None
     global_batch: int | None = None
+    host_memory_gib: float | None = None  # per node: the full-state-dict save lands in rank 0's host RAM
     estimate_fn: object = None
 
     def world(self, setup: Setup) -> int | None:
@@ -289,23 +290,53 @@ def full_shard_slow_links(setup: Setup, ctx: Context) -> list[Finding]:
 
 
 def full_state_dict_rank0(setup: Setup, ctx: Context) -> list[Finding]:
+    # A full state dict (FSDP FULL_STATE_DICT with HF's offload_to_cpu=True, rank0_only=True; DeepSpeed's
+    # gather_16bit_weights_on_model_save) streams unit by unit through the GPU into rank 0's host RAM:
+    # that host, shared with the node's other processes, is the limit, and every save waits on it.
     if not setup.full_state_dict:
         return []
-    if ctx.model is None or ctx.gpu is None:
+    fix = ("save sharded checkpoints (fsdp_state_dict_type SHARDED_STATE_DICT; DeepSpeed "
+           "stage3_gather_16bit_weights_on_model_save false) and consolidate offline (zero_to_fp32 / dcp_to_torch_save)")
+    if ctx.model is None:
         return [Finding(rule="full-state-dict-rank0", severity="info",
-                        message="checkpoints gather the full state dict on rank 0: fine for small models, an OOM at "
-                                "save time for big ones (give --model and --gpu to check)",
-                        fix="save sharded (SHARDED_STATE_DICT / DCP) and consolidate offline", where=setup.origin("full_state_dict"))]
+                        message="checkpoints gather the full state dict into rank 0's host RAM: fine for small models, "
+                                "out of host memory at save time for big ones (give --model and --host-memory-gib to check)",
+                        fix=fix, where=setup.origin("full_state_dict"))]
+    from shardfit.fit.host import assumed_host_gib
+
     width = 2 if setup.engine == "deepspeed" else 4  # DS gathers 16-bit weights; FSDP's sharded params are fp32
     full = ctx.model.n_params * width
-    if full <= ctx.gpu.memory_bytes * (1 - MARGIN) / 2:
+    per_node = (ctx.world(setup) or 8) // ctx.node_count(setup) or 1
+    if ctx.host_memory_gib is not None:
+        host, said = ctx.host_memory_gib, f"{ctx.host_memory_gib:g} GiB (--host-memory-gib)"
+    elif ctx.gpu is not None:
+        host = assumed_host_gib(ctx.gpu, per_node)
+        said = f"~{host:g} GiB assumed for {per_node} x {ctx.gpu.name} (give --host-memory-gib)"
+    else:
+        host, said = None, "unknown (give --host-memory-gib or --gpu)"
+    message = (f"a full state dict of {ctx.model.name} is {full / GIB:.1f} GiB, gathered into rank 0's host RAM "
+               f"(per node: {said}) at every save")
+    if host is not None and full > host * GIB:
+        return [Finding(rule="full-state-dict-rank0", severity="error", message=message + ": the save will run out of "
+                        "host memory", fix=fix, where=setup.origin("full_state_dict"))]
+    if host is not None and full <= host * GIB / 4 and (ctx.gpu is None or full <= ctx.gpu.memory_bytes):
         return []
-    return [Finding(rule="full-state-dict-rank0", severity="error",
-                    message=f"a full state dict of {ctx.model.name} is {full / GIB:.1f} GiB, gathered on rank 0 next "
-                            f"to its training state on a {ctx.gpu.memory_gib:g} GiB GPU: the save will OOM",
-                    fix="save sharded checkpoints (fsdp_state_dict_type SHARDED_STATE_DICT; DeepSpeed "
-                        "stage3_gather_16bit_weights_on_model_save false) and consolidate offline (zero_to_fp32 / "
-                        "dcp_to_torch_save)", where=setup.origin("full_state_dict"))]
+    return [Finding(rule="full-state-dict-rank0", severity="warning",
+                    message=message + ": it competes with the node's other processes and every save waits on one "
+                                      "rank's copy", fix=fix, where=setup.origin("full_state_dict"))]
+
+
+def auto_values(setup: Setup, ctx: Context) -> list[Finding]:
+    if not setup.auto:
+        return []
+    names = ", ".join(fact.replace("_", " ") for fact in setup.auto)
+    flags = ", ".join({"precision": "--precision", "micro_batch": "--micro-batch", "grad_accum": "--grad-accum",
+                       "global_batch": "--global-batch"}[f] for f in setup.auto)
+    return [Finding(rule="auto-values", severity="info",
+                    message=f'{names} left to "auto" (the HF Trainer fills them in at launch): the memory and batch rules '
+                            "ran on assumed values (listed above)",
+                    fix=f"give {flags} (the Trainer's own values) to check the real run",
+                    where=setup.origin(setup.auto[0]))]
 
 
 def batch_mismatch(setup: Setup, ctx: Context) -> list[Finding]:
@@ -346,7 +377,7 @@ def zero12_nvme_offload(setup: Setup, ctx: Context) -> list[Finding]:
 
 RULES = (does_not_fit, fsdp_without_auto_wrap, fp16_without_loss_scaling, fp16_where_bf16, no_ac_long_sequences,
          use_cache_with_checkpointing, bucket_too_large, zero3_where_zero2_fits, offload_not_needed,
-         full_shard_slow_links, full_state_dict_rank0, batch_mismatch, fsdp1_hybrid_group_of_one, zero12_nvme_offload)
+         full_shard_slow_links, full_state_dict_rank0, auto_values, batch_mismatch, fsdp1_hybrid_group_of_one, zero12_nvme_offload)
 
 
 def with_model(ctx: Context, model: ModelSpec | None) -> Context:

@@ -34,6 +34,9 @@ class Setup:
     offload_optimizer: str | None = None
     offload_params: str | None = None
     full_state_dict: bool | None = None
+    # Facts a config leaves to "auto" (the HF Trainer fills them in at launch): resolved from doctor's
+    # --precision / --micro-batch flags, or assumed and said so.
+    auto: tuple[str, ...] = ()
     model_ref: object = None  # a Plan's model (preset name or mapping)
     gpu: str | None = None  # a Plan's cluster.gpu
     sources: tuple[tuple[str, str], ...] = ()  # (path, Python source)
@@ -65,14 +68,24 @@ def _device(value) -> str | None:
     return None if text in ("none", "false", "") else text
 
 
+def _is_auto(value) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
 def from_deepspeed(d: dict) -> dict:
     zero = d.get("zero_optimization") or {}
     facts: dict = {"engine": "deepspeed", "zero_stage": _int(zero.get("stage", 0)),
                    "micro_batch": _int(d.get("train_micro_batch_size_per_gpu")),
                    "grad_accum": _int(d.get("gradient_accumulation_steps")),
                    "global_batch": _int(d.get("train_batch_size"))}
+    auto = [fact for fact, key in (("micro_batch", "train_micro_batch_size_per_gpu"),
+                                   ("grad_accum", "gradient_accumulation_steps"), ("global_batch", "train_batch_size"))
+            if _is_auto(d.get(key))]
     bf16, fp16 = d.get("bf16") or {}, d.get("fp16") or {}
-    if str(bf16.get("enabled", False)).lower() == "true":
+    facts["auto"] = tuple(auto)
+    if _is_auto(bf16.get("enabled")) or _is_auto(fp16.get("enabled")):
+        facts["auto"] += ("precision",)  # HF's ds_config templates: the Trainer's --bf16/--fp16 decide
+    elif str(bf16.get("enabled", False)).lower() == "true":
         facts["precision"] = "bf16"
     elif str(fp16.get("enabled", False)).lower() == "true":
         facts["precision"] = "fp16"
@@ -273,10 +286,12 @@ def read_setup(paths) -> tuple[Setup, list[tuple[str, str]]]:
     where: list[tuple[str, str]] = []
     kinds: list[tuple[str, str]] = []
     sources: list = []
+    autos: list[str] = []
     for path in paths:
         kind, facts = read_file(path)
         kinds.append((str(path), kind))
         sources += list(facts.pop("sources", ()))
+        autos += [(fact, str(path)) for fact in facts.pop("auto", ())]
         for name, value in facts.items():
             if value is None or value == ():
                 continue
@@ -287,5 +302,8 @@ def read_setup(paths) -> tuple[Setup, list[tuple[str, str]]]:
                 values[name] = value
                 where.append((name, str(path)))
     known = {f.name for f in fields(Setup)}
+    # "auto" in one file and a value in another (TrainingArguments next to its ds_config): the value wins.
+    values["auto"] = tuple(dict.fromkeys(a for a, _ in autos if values.get(a) is None))
+    where += [(a, path) for a, path in autos if a in values["auto"] and all(n != a for n, _ in where)]
     setup = Setup(**{k: v for k, v in values.items() if k in known})
     return replace(setup, sources=tuple(sources), where=tuple(where)), kinds

@@ -11,6 +11,7 @@ from shardfit.emit.common import Emitted, EmitOptions, write_files
 from shardfit.emit.deepspeed import emit_deepspeed
 from shardfit.emit.fsdp import emit_fsdp
 from shardfit.emit.launch import emit_deepspeed_launcher, emit_slurm, emit_torchrun
+from shardfit.emit.placeholders import mark_placeholders
 from shardfit.emit.single import emit_single
 from shardfit.emit.trainers import emit_hf_trainer, emit_lightning
 from shardfit.errors import ShardfitError
@@ -39,7 +40,7 @@ def emit(plan: Plan, fmt: str, options: EmitOptions | None = None) -> Emitted:
     emitted = FORMATS[key](plan, options or EmitOptions())
     if key in _NO_SELECTIVE_SETTING and is_selective_ac(plan.training.activation_checkpointing):
         emitted = replace(emitted, notes=emitted.notes + (_SELECTIVE_NOTE.format(fmt=key),))
-    return emitted
+    return mark_placeholders(emitted, plan)
 
 
 # Formats whose tool has no per-op selective checkpointing setting: they checkpoint whole blocks.

@@ -73,7 +73,7 @@ def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]
                                               "none": "NO_PREFETCH"}[s.backward_prefetch]
         else:
             fsdp["fsdp_reshard_after_forward"] = s.reshard_after_forward
-            group = s.shard_group_size
+            group = s.shard_group(c.gpus_per_node)
             if group and group < c.world_size:
                 # FSDP2 hybrid sharding (HSDP) is a 2-D mesh: replicate across groups, shard inside.
                 config["parallelism_config"] = {"parallelism_config_dp_replicate_size": c.world_size // group,

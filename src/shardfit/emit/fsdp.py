@@ -164,7 +164,7 @@ _MAIN = '''
 def fsdp_script(plan: Plan, version: int) -> str:
     s, t, c, sched = plan.strategy, plan.training, plan.cluster, plan.schedule
     config, lora = script_inputs(plan, "FSDP script", "--format accelerate or torchrun")
-    group = s.shard_group_size or (c.gpus_per_node if s.sharding == "hybrid_shard" and s.kind == "fsdp" else None)
+    group = s.shard_group(c.gpus_per_node)
     if version == 1 and group == 1 and c.world_size > 1:
         raise ShardfitError("FSDP1 hybrid shard with a shard group of 1 never syncs replicas: use --format fsdp2")
     fields = dict(kind="FSDP1" if version == 1 else "FSDP2", fmt="fsdp" if version == 1 else "fsdp2",

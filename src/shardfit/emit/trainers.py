@@ -57,7 +57,7 @@ def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str
             config["cpu_offload"] = True
         if version == 2:
             config["reshard_after_forward"] = s.reshard_after_forward
-            if s.shard_group_size and s.shard_group_size < plan.cluster.world_size:
+            if (s.shard_group(plan.cluster.gpus_per_node) or plan.cluster.world_size) < plan.cluster.world_size:
                 notes.append("HF Trainer has no FSDP2 hybrid mesh argument: use --format accelerate (parallelism_config)")
         else:
             config["reshard_after_forward"] = s.sharding
@@ -105,7 +105,7 @@ def emit_lightning(plan: Plan, options: EmitOptions) -> Emitted:
             kwargs.append(f"device_mesh=({c.world_size // group}, {group})")
         lines.append("strategy = FSDPStrategy(" + ", ".join(kwargs) + ")")
     elif s.kind == "fsdp2":
-        group = s.shard_group_size or c.world_size
+        group = s.shard_group(c.gpus_per_node) or c.world_size
         lines += ["from lightning.pytorch.strategies import ModelParallelStrategy", "",
                   "# FSDP2 in Lightning: apply fully_shard per block (then the root) in LightningModule.configure_model,",
                   "# e.g. with the shard() function of `shardfit emit --format fsdp2`.",

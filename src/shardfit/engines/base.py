@@ -296,7 +296,7 @@ def hybrid_group(plan: Plan, ctx: DistContext) -> int | None:
     s = plan.strategy
     if s.kind == "fsdp" and s.sharding != "hybrid_shard":
         return None
-    if s.kind == "fsdp2" and not s.shard_group_size:
+    if s.kind == "fsdp2" and s.shard_group(0) is None:
         return None
     group = s.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
     if group < 1 or ctx.world_size % group:

@@ -44,8 +44,14 @@ class Profile:
         self.source = "Korthikanti et al. 2022 adapted to the HF block (see activations.py)"
 
 
-def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda") -> Profile:
+def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda",
+                       frozen_linears_save: bool = False) -> Profile:
+    """frozen_linears_save: the frozen base linears keep their input anyway (DeepSpeed ZeRO-3 replaces
+    F.linear with LinearFunctionForZeroStage3, whose setup_context saves input and weight whether or
+    not the weight trains); hand-written families only."""
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
+    if key_lora is not None and frozen_linears_save and not model.derived:
+        key_lora += ("linear-inputs-saved",)
     if model.derived:
         return _derived_profile(model, regime, attention, key_lora, device)
     return _profile(model, regime, attention, key_lora, device)
@@ -139,6 +145,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     d = 4 if regime == "fp32" else 2  # matmul outputs
     res = 2 if regime == "half" else 4  # residual stream
     trains = lora is None
+    linears_save = trains or (lora is not None and "linear-inputs-saved" in lora[3:])
     targets = set() if lora is None else set(lora[1])
     rank = 0 if lora is None else lora[0]
     # QLoRA: the frozen base linears are bitsandbytes layers (nf4 Linear4bit / int8 Linear8bitLt).
@@ -189,11 +196,13 @@ def _profile(model, regime, attention, lora, device) -> Profile:
             # Source: bitsandbytes MatMul8bitFp (CPU: ctx.A) / MatMul8bitLt (CUDA: ctx.tensors) keep their
             # input for a weight gradient a frozen base never takes, outside save_for_backward.
             held = held or (quant == "int8" and name not in ("lm_head", "router"))
-            if trains:
+            if linears_save:
                 if regime == "autocast" and dtype == 4:
                     add(f"{label}.bf16_cast_for_{name}", 2 * width)
                 else:
                     shared = True
+                if targeted and not trains:
+                    add(f"{name}.lora_A_out", dtype * rank)
             elif targeted and quant and regime == "autocast":
                 # Source: peft lora/bnb.py Linear4bit/Linear8bitLt.forward: lora_A gets the fp32 input and
                 # autocast casts it once per adapter (it caches weight casts only); A's output is 16-bit.

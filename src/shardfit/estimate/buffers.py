@@ -9,6 +9,7 @@ byte counts come from temporaries.py; this module only says which buffers coexis
 from __future__ import annotations
 
 from shardfit.estimate import states as sts
+from shardfit.estimate.lora_sharding import largest_adapter
 from shardfit.estimate import temporaries as tmp
 
 
@@ -27,8 +28,10 @@ class Buffers:
 
 
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
-                 checkpoint, rec) -> Buffers:
-    """FSDP1 / FSDP2 with the blocks wrapped and the root holding embeddings, final norm and head."""
+                 checkpoint, rec, lora_unit=None, lora=None) -> Buffers:
+    """FSDP1 / FSDP2 with the blocks wrapped and the root holding embeddings, final norm and head.
+    Under LoRA (`lora_unit`: adapter elements per block) the frozen root reduces nothing, and FSDP2
+    reduces only the adapters (estimate/lora_sharding.py)."""
     reshard = (s.sharding != "shard_grad_op") if kind == "fsdp" else s.reshard_after_forward
     root_b = tmp.root_unit_bytes(root, gather_bytes)
     if kind == "fsdp" and s.sharding == "no_shard" and precision == "fp32":
@@ -39,15 +42,19 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
         units_b = tmp.all_units_gathered_bytes(model.n_params - root, gather_bytes)
     one_unit = tmp.gathered_unit_bytes(unit, gather_bytes, 1) if units_b else 0
     kept = 0 if reshard else units_b  # every unit stays gathered from forward to backward
-    grad_b = tmp.unsharded_grad_bytes(unit, gather_bytes)
+    # FSDP2 under LoRA: only the adapters have gradients, in the unsharded param dtype.
+    reduced, grad_dtype = (lora_unit, 4 if precision == "fp32" else 2) if lora_unit is not None and kind == "fsdp2" \
+        else (unit, gather_bytes)
+    grad_b = tmp.unsharded_grad_bytes(reduced, grad_dtype)
     # The head's unsharded grad is a .grad of the root's params from the start of backward; the
-    # embedding's appears only at the end.
+    # embedding's appears only at the end. A frozen root (LoRA) has none.
     embed = 0 if model.tie_embeddings or not root else min(root, model.vocab_size * model.hidden_size)
-    end_extra = tmp.unsharded_grad_bytes(embed, gather_bytes)
-    head_grad = tmp.unsharded_grad_bytes(root, gather_bytes) - end_extra
+    root_grads = root if lora_unit is None else 0
+    end_extra = tmp.unsharded_grad_bytes(min(embed, root_grads), gather_bytes)
+    head_grad = tmp.unsharded_grad_bytes(root_grads, gather_bytes) - end_extra
     # shardfit's engines reduce in fp32 under MixedPrecision (reduce_dtype=float32).
     reduce_b = 4 if precision in ("bf16", "fp16", "fp32") else 2
-    rs_b = tmp.reduce_scatter_bytes(unit, shard, reduce_b, kind == "fsdp2" or reduce_b != gather_bytes)
+    rs_b = tmp.reduce_scatter_bytes(reduced, shard, reduce_b, kind == "fsdp2" or reduce_b != grad_dtype)
     b = Buffers()
     # FSDP1's forward_prefetch is off (torch's default; shardfit's engine leaves it): in forward it
     # gathers one unit at a time. FSDP2 issues the next unit's all-gather ahead in forward.
@@ -57,13 +64,15 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     b.inside = root_b + units_b  # current + prefetched unit (+ the activation grads, added later)
     b.reduce = root_b + units_b + grad_b + rs_b  # the block's full grad and the reduce-scatter buffers
     b.last = root_b + one_unit  # nothing left to prefetch
-    b.end = tmp.reduce_scatter_bytes(root, shard, reduce_b, True)  # the root reshards, then reduces
+    b.end = tmp.reduce_scatter_bytes(root_grads, shard, reduce_b, True)  # the root reshards, then reduces
     b.head_grad, b.end_grads = head_grad, end_extra
     if kind == "fsdp" and not s.offload_params:
         b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
     # The optimizer's largest tensor: FSDP2 shards every param; FSDP1 (use_orig_params) hands it views
     # of the flat shard, where a whole param can sit on one rank.
     largest = sts.largest_tensor(model, largest)
+    if lora is not None:  # the optimizer holds the adapters only
+        largest = largest_adapter(model, lora.rank, tuple(lora.target_modules))
     biggest = largest // shard + 1 if kind == "fsdp2" else min(largest, max(unit, root) // shard + 1)
     b.opt = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, biggest)
     b.ckpt = tmp.checkpoint_save_bytes(checkpoint, max(unit, root), st.state_bytes)

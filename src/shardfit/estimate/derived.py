@@ -235,7 +235,9 @@ def _with_lora(model, lora: tuple):
 
     rank, targets, _base = lora
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets) if "all-linear" not in targets
-                        else "all-linear", task_type="CAUSAL_LM")
+                        else "all-linear",
+                        # peft's CAUSAL_LM wrapper needs generate()'s hooks: an encoder (BERT) gets the plain one.
+                        task_type="CAUSAL_LM" if hasattr(model, "prepare_inputs_for_generation") else None)
     return get_peft_model(model, config)
 
 

@@ -18,6 +18,7 @@ from shardfit.errors import ShardfitError
 from shardfit.estimate import activations as act
 from shardfit.estimate import buffers as bufs
 from shardfit.estimate import overhead as ovh
+from shardfit.estimate import lora_sharding as lsh
 from shardfit.estimate import states as sts
 from shardfit.estimate import temporaries as tmp
 from shardfit.estimate import selective as sel
@@ -84,7 +85,7 @@ def shard_degree(plan) -> int:
             return s.shard_group_size or c.gpus_per_node
         return world
     if s.kind == "fsdp2":
-        return s.shard_group_size or world
+        return s.shard_group(c.gpus_per_node) or world
     return world
 
 
@@ -119,10 +120,13 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     tokens, seq = t.micro_batch * t.seq_len, t.seq_len
     regime = precision_regime(precision, kind, lora)
     if model.has_shape:
-        prof = act.activation_profile(model, regime, t.attention, lora, device)
+        # FSDP1 LoRA: the frozen base weights are views of a FlatParameter that requires grad, so autograd
+        # saves what a full fine-tune saves (estimate/lora_sharding.py); a quantized base is not flattened with it.
+        acts_lora = None if kind == "fsdp" and lora is not None and lora.base_dtype not in ("nf4", "int8") else lora
+        prof = act.activation_profile(model, regime, t.attention, acts_lora, device, kind == "zero3")
         every = _every(t.activation_checkpointing)
         n_ckpt = act.checkpointed_blocks(model.num_layers, every)
-        kept = (sel.selective_kept(model, regime, t.attention, lora, device)
+        kept = (sel.selective_kept(model, regime, t.attention, acts_lora, device)
                 if n_ckpt and _selective(t.activation_checkpointing) else (0.0, 0.0))
         a_blocks, a_head, a_block = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, n_ckpt, kept)
         loss_fwd = tmp.loss_forward_bytes(tokens, prof.loss_fwd_temp)
@@ -232,8 +236,10 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             impl = "single" if device == "cpu" else ("fused" if kind.startswith("zero") else "foreach")
         rec = term if explain else None
         if kind in ("fsdp", "fsdp2"):
+            lora_unit = None if lora is None else lsh.fsdp_lora_states(st, kind, model, lora, trained, shard, precision)
+            opt, grads_full = st.optimizer, st.grads_full
             buf = bufs.fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl,
-                                    optimizer, checkpoint, rec)
+                                    optimizer, checkpoint, rec, lora_unit, lora)
             if explain and s.offload_params:
                 notes.append("FSDP CPU offload: sharded params, grads and optimizer live in pinned host RAM; "
                              "the step runs on CPU")

@@ -44,7 +44,7 @@ def header_lines(plan, gpu, accounting: str, device: str, unit_name: str = "GiB"
 
 def table(plan, gpu, rows, accounting: str = "real", device: str = "cuda", skipped=()) -> str:
     """rows: list of (label, Estimate)."""
-    heads = ["strategy", *(_SHORT[c] for c in CATEGORIES), "peak", "ovhd", "total", "host", "fits", "peak set by"]
+    heads = ["strategy", *(_SHORT[c] for c in CATEGORIES), "peak", "ovhd", "total", "host", "fits", "peak set by (phase / largest category)"]
     # Tiny models read better in MiB; everything else in GiB.
     unit, unit_name = (MIB, "MiB") if max(est.peak_bytes for _, est in rows) < GIB else (GIB, "GiB")
     body = []
@@ -53,7 +53,7 @@ def table(plan, gpu, rows, accounting: str = "real", device: str = "cuda", skipp
         host = sum(est.host.values())
         body.append([label, *(gib(at_peak[c], unit) for c in CATEGORIES), gib(est.peak_bytes, unit),
                      gib(est.overhead_bytes, unit), gib(est.device_peak_bytes, unit), gib(host, unit) if host else "-",
-                     "yes" if fits(est, gpu) else "NO", f"{est.peak_phase}/{est.peak_category}"])
+                     "yes" if fits(est, gpu) else "NO", f"{est.peak_phase} / {est.peak_category}"])
     widths = [max(len(str(r[i])) for r in [heads, *body]) for i in range(len(heads))]
     lines = header_lines(plan, gpu, accounting, device, unit_name)
     lines.append("")

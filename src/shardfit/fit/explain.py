@@ -1,14 +1,9 @@
-"""Why each family lost, and what would make a plan fit when nothing does. Words, not numbers alone."""
+"""Why each family lost to the best plan. Words, not numbers alone (fit/suggest.py: when nothing fits)."""
 from __future__ import annotations
-
-from dataclasses import replace
 
 from shardfit.fit.families import TIE, engine_of
 from shardfit.fit.steptime import comm_volume
 from shardfit.measure.report import fmt_bytes
-from shardfit.spec.gpus import CATALOG, get_gpu
-from shardfit.spec.plan import LoRA, Strategy
-
 
 def _inter_bytes(plan) -> float:
     """Bytes per step that leave a node: a ring over the nodes sends one rank's volume across each
@@ -93,72 +88,4 @@ def explain_rejections(best, found, smallest, all_families, searched_tiers, sear
             out.append(Rejection(family=fam.label, reason=(
                 f"does not fit: {fmt_bytes(peak)} at micro-batch 1 with AC {plan.training.activation_checkpointing} > {fmt_bytes(search.usable)} usable "
                 f"({est.peak_category} is the largest part, at the {est.peak_phase} peak)")))
-    return out
-
-
-def _lean(base, request, precision, loss_scaling, strategy: Strategy, **overrides):
-    """The leanest plan of a strategy: micro-batch 1, full activation checkpointing."""
-    req = replace(request, **{k: v for k, v in overrides.items() if k in ("nodes", "gpu", "lora", "seq_len")})
-    plan = base.with_changes(
-        strategy=strategy,
-        training={"micro_batch": 1, "grad_accum": 1, "seq_len": req.seq_len, "precision": precision,
-                  "loss_scaling": loss_scaling, "activation_checkpointing": "full" if base.model.has_shape else "none",
-                  "lora": req.lora, "optimizer": request.optimizer},
-        cluster={"nodes": req.nodes, "gpus_per_node": req.gpus_per_node, "gpu": req.gpu,
-                 "host_memory_gib": req.host_memory_gib})
-    return plan
-
-
-def suggest(search, base, request, precision, loss_scaling) -> list[str]:
-    """When nothing fits: the smallest change that would (more GPUs, LoRA, shorter sequence, bigger GPU)."""
-    # The leanest families the allowed engines have: full sharding, then full sharding with offload.
-    deepspeed = "deepspeed" in request.engines or "fsdp" not in request.engines
-    lean_strategies = ([("zero3", Strategy(kind="zero3")),
-                        ("zero3+offload", Strategy(kind="zero3", offload_optimizer="cpu", offload_params="cpu"))]
-                       if deepspeed else
-                       [("fsdp2", Strategy(kind="fsdp2")), ("fsdp2+offload", Strategy(kind="fsdp2", offload_params="cpu"))])
-
-    def first_fit(**overrides):
-        limit = search.usable
-        if "gpu" in overrides:
-            limit = int(get_gpu(overrides["gpu"]).memory_bytes * (1.0 - request.margin))
-        for label, strategy in lean_strategies:
-            plan = _lean(base, request, precision, loss_scaling, strategy, **overrides)
-            if search.fits(plan, limit):
-                return label, search.peak(plan)
-        return None
-
-    usable = search.usable
-    out = [f"nothing fits in {fmt_bytes(usable)} per GPU, even {lean_strategies[1][0]} with micro-batch 1 and full "
-           "activation checkpointing"]
-    for factor in (2, 4, 8, 16, 32, 64, 128):
-        nodes = request.nodes * factor
-        hit = first_fit(nodes=nodes)
-        if hit:
-            out.append(f"more GPUs: {nodes * request.gpus_per_node} ({nodes} nodes x {request.gpus_per_node}) "
-                       f"with {hit[0]} needs {fmt_bytes(hit[1])} per GPU (--gpus {nodes * request.gpus_per_node} --nodes {nodes})")
-            break
-    if request.lora is None and base.model.has_shape:
-        for lora, flag in ((LoRA(rank=16), "--lora-r 16"), (LoRA(rank=16, base_dtype="nf4"), "--lora-r 16 --lora-base nf4")):
-            hit = first_fit(lora=lora)
-            if hit:
-                out.append(f"LoRA: {flag} with {hit[0]} needs {fmt_bytes(hit[1])} per GPU")
-                break
-    if base.model.has_shape:
-        seq = request.seq_len // 2
-        while seq >= 128:
-            hit = first_fit(seq_len=seq)
-            if hit:
-                out.append(f"shorter sequence: --seq {seq} with {hit[0]} needs {fmt_bytes(hit[1])} per GPU")
-                break
-            seq //= 2
-    for gpu in sorted(CATALOG.values(), key=lambda g: g.memory_gib):
-        if gpu.memory_gib <= search.gpu.memory_gib * 1.1:  # only a real step up
-            continue
-        hit = first_fit(gpu=gpu.name)
-        if hit:
-            out.append(f"a bigger GPU: --gpu {gpu.name} ({gpu.memory_gib:g} GiB) with {hit[0]}")
-            break
-    if len(out) == 1:
-        out.append("no single change found: check the model size and units (--params counts parameters)")
     return out

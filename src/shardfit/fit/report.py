@@ -1,6 +1,7 @@
 """Text and JSON renderings of a FitResult: the one place `fit` output is formatted."""
 from __future__ import annotations
 
+from shardfit.fit.host import needs_text, over_assumed
 from shardfit.measure.report import fmt_bytes
 
 
@@ -30,18 +31,26 @@ def format_text(result) -> str:
         t = b.plan.training
         lines.append(f"best: {b.family}: micro-batch {t.micro_batch} x accumulation {t.grad_accum}, activation "
                      f"checkpointing {t.activation_checkpointing}, {t.precision}")
-        lines.append(f"  memory {fmt_bytes(b.peak_bytes)} per GPU of {fmt_bytes(result.usable_bytes)} usable")
+        lines.append(f"  memory {fmt_bytes(b.peak_bytes)} per GPU of {fmt_bytes(result.usable_bytes)} usable; "
+                     f"{needs_text(b.host_bytes, b.nvme_bytes, r, result.gpu)}")
+        if result.largest_term:
+            name, size = result.largest_term
+            lines.append(f"  largest non-state term: {name} {fmt_bytes(size)}")
         lines.append(f"  time   {_step(b, world, result.gpu)}")
         if result.alternatives:
             lines += ["", "alternatives:"]
-            rows = [("plan", "per GPU", "step", "vs best")]
+            rows = [("plan", "per GPU", "host RAM/node", "step", "vs best")]
             for c in result.alternatives:
-                rows.append((c.label, fmt_bytes(c.peak_bytes), _s(c.time.total_s),
+                host = fmt_bytes(c.host_bytes) if c.host_bytes else "-"
+                host += " (!)" if over_assumed(c.host_bytes, r, result.gpu) else ""
+                rows.append((c.label, fmt_bytes(c.peak_bytes), host, _s(c.time.total_s),
                              f"x{c.time.total_s / b.time.total_s:.2f}"))
-            widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            widths = [max(len(row[i]) for row in rows) for i in range(5)]
             for row in rows:
                 lines.append("  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                                               for i, (cell, w) in enumerate(zip(row, widths))))
+            if any(over_assumed(c.host_bytes, r, result.gpu) for c in result.alternatives):
+                lines.append("  (!) needs more host RAM than the assumed per node: give --host-memory-gib")
     if result.rejected:
         lines += ["", "why not the others:"]
         lines += [f"  {x.family}: {x.reason}" for x in result.rejected]
@@ -54,6 +63,7 @@ def _candidate(c, world, gpu) -> dict:
     return {"family": c.family, "strategy": c.plan.strategy.label, "micro_batch": c.plan.training.micro_batch,
             "grad_accum": c.plan.training.grad_accum, "activation_checkpointing": c.plan.training.activation_checkpointing,
             "precision": c.plan.training.precision, "peak_bytes": c.peak_bytes,
+            "host_bytes_per_node": c.host_bytes, "nvme_bytes_per_node": c.nvme_bytes,
             "step_s": round(t.total_s, 6), "compute_s": round(t.compute_s, 6), "comm_s": round(t.comm_s, 6),
             "exposed_comm_s": round(t.exposed_comm_s, 6), "offload_s": round(t.offload_s, 6),
             "optimizer_s": round(t.optimizer_s, 6), "tokens_per_s": round(t.tokens_per_s(world), 1),
@@ -67,4 +77,6 @@ def to_json(result) -> dict:
             "plan": result.best.plan.to_dict() if result.best else None,
             "alternatives": [_candidate(c, world, result.gpu) for c in result.alternatives],
             "rejected": [{"family": x.family, "reason": x.reason} for x in result.rejected],
+            "largest_term": ({"name": result.largest_term[0], "bytes": result.largest_term[1]}
+                             if result.largest_term else None),
             "notes": list(result.notes), "suggestions": list(result.suggestions), "estimates": result.estimates}

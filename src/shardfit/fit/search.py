@@ -13,7 +13,9 @@ from shardfit.errors import ShardfitError
 from shardfit.estimate.estimator import estimate
 from shardfit.estimate.selective import selective_available
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
+from shardfit.fit.host import assumption_note, needs_text, over_assumed
 from shardfit.fit.steptime import StepTime, step_time
+from shardfit.fit.suggest import suggest
 from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.model_spec import ModelSpec
@@ -54,6 +56,8 @@ class Candidate:
     peak_bytes: int  # what is compared with the budget (device peak, or tensor peak on CPU)
     time: StepTime
     order: int
+    host_bytes: int = 0  # host RAM per node (offloaded states, pinned buffers)
+    nvme_bytes: int = 0  # NVMe per node (ZeRO-Infinity)
 
     @property
     def label(self) -> str:
@@ -79,6 +83,7 @@ class FitResult:
     suggestions: tuple[str, ...] = ()
     estimates: int = 0  # estimator calls made
     smallest: dict = field(default_factory=dict)  # family -> (peak bytes, plan) of its leanest plan that doesn't fit
+    largest_term: tuple[str, int] | None = None  # the best plan's largest term beyond the model states
 
     @property
     def fits(self) -> bool:
@@ -89,6 +94,27 @@ def _estimate_fn(estimate_fn, device: str):
     if estimate_fn is not None:
         return estimate_fn
     return lambda plan: estimate(plan, device=device)
+
+
+# Terms that together are the loss's buffers (head output, logits and their fp32 upcast, the loss's
+# saved inputs and its b*s*V gradients): reported as one, the way the field names them.
+LOSS_TERMS = ("activations.head", "temporaries.logits_and_upcast", "temporaries.loss_inputs", "temporaries.loss_backward")
+TERM_NAMES = {"activations.blocks": "activations saved by the blocks", "loss": "loss buffers (logits, fp32 upcast, gradients)"}
+
+
+def largest_term(est) -> tuple[str, int] | None:
+    """The largest quantity beyond parameters, gradients and optimizer states (and runtime overhead),
+    with the loss's buffers summed as one."""
+    sizes: dict[str, int] = {}
+    for term in est.terms:
+        if term.name.startswith(("states.", "overhead.")) or term.name == "activations.block":
+            continue
+        key = "loss" if term.name in LOSS_TERMS else term.name
+        sizes[key] = sizes.get(key, 0) + term.bytes
+    if not sizes:
+        return None
+    key = max(sizes, key=sizes.get)
+    return TERM_NAMES.get(key, key.split(".", 1)[-1].replace("_", " ")), sizes[key]
 
 
 def divisors(n: int, cap: int = MAX_MICRO_BATCH) -> list[int]:
@@ -126,6 +152,9 @@ class _Search:
     def host_bytes(self, plan: Plan) -> int:
         """Host RAM per node (offloaded states, pinned buffers)."""
         return sum(self.run(plan).host.values()) * plan.cluster.gpus_per_node
+
+    def nvme_bytes(self, plan: Plan) -> int:
+        return self.run(plan).nvme_bytes * plan.cluster.gpus_per_node
 
     def host_ok(self, plan: Plan) -> bool:
         limit = self.request.host_memory_gib
@@ -195,14 +224,15 @@ def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_opt
                     lean = (peak, tried)
                 continue
             cands.append(Candidate(family=fam.label, plan=plan, peak_bytes=search.peak(plan),
-                                   time=step_time(plan, search.gpu),
+                                   time=step_time(plan, search.gpu), host_bytes=search.host_bytes(plan),
+                                   nvme_bytes=search.nvme_bytes(plan),
                                    order=fam.order * 10 + ac_options.index(ac) * 2 + variants.index(buckets)))
     return _sorted(cands), (lean if not cands else None)
 
 
 def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     """The fastest plan predicted to fit with margin, alternatives, and why each family lost."""
-    from shardfit.fit.explain import explain_rejections, suggest
+    from shardfit.fit.explain import explain_rejections
 
     if not 0 <= request.margin < 1:
         raise ShardfitError(f"--margin must be between 0 and 1 (a fraction of device memory), got {request.margin}")
@@ -222,7 +252,8 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     notes = [precision_note,
              f"global batch {global_batch} = micro-batch x accumulation x {world} GPUs ({per_rank} sequences per GPU)",
              f"usable memory {fmt_bytes(search.usable)} of {search.gpu.memory_gib:g} GiB "
-             f"({request.margin:.0%} margin{'' if request.device == 'cuda' else ', tensor bytes only: CPU run'})"]
+             f"({request.margin:.0%} margin{'' if request.device == 'cuda' else ', tensor bytes only: CPU run'})",
+             assumption_note(request, search.gpu)]
     micro_options = divisors(per_rank)
     ac_options = AC_OPTIONS if request.model.has_shape else ("none",)
     if not selective_available(request.model):
@@ -263,18 +294,21 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         # copy of every gradient, DeepSpeed's buckets, FSDP's flat parameters) with nothing to shard or
         # reduce, and a second launcher to get right: single wins whenever it fits.
         ranked.sort(key=lambda c: c.family != "single")
+    # A plan beyond the assumed host RAM (--host-memory-gib unset) is kept but flagged, and ranked after
+    # every plan within it: it is never the recommendation while one within it fits.
+    ranked.sort(key=lambda c: over_assumed(c.host_bytes, request, search.gpu))
     best = ranked[0] if ranked else None
     if best is not None:
         warnings = validate_plan(best.plan)
         notes += [f"note: {w}" for w in warnings]
-        offloads = best.plan.strategy.offload_optimizer or best.plan.strategy.offload_params
-        if offloads and request.host_memory_gib is None:
-            notes.append(f"offload needs {fmt_bytes(search.host_bytes(best.plan))} of host RAM per node: "
-                         "check with --host-memory-gib")
+        if over_assumed(best.host_bytes, request, search.gpu):
+            notes.append(f"WARNING: the best plan needs {needs_text(best.host_bytes, best.nvme_bytes, request, search.gpu)}")
     alternatives = tuple(ranked[1:1 + request.top])
     rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
     rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]
     suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling))
+    largest = largest_term(estimate(best.plan, device=request.device, explain=True)) if best and estimate_fn is None else None
     return FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
                      alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
-                     suggestions=suggestions, estimates=search.calls, smallest=smallest)
+                     suggestions=suggestions, estimates=search.calls, smallest=smallest,
+                     largest_term=largest)

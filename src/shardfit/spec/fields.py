@@ -65,3 +65,22 @@ def _coerce(spec: dataclasses.Field, value, where: str):
             raise ShardfitError(f"'{where}' must be text, got {value!r}")
         return str(value)
     return value
+
+
+def lora_section(current: dict | None, rank: int | None, targets: str | None, base: str | None,
+                 base_default: str) -> dict | None:
+    """A plan's training.lora mapping with the --lora-r / --lora-targets / --lora-base flags applied
+    (train, profile): any flag turns LoRA on; rank 16 and `base_default` when not given; None (or the
+    plan's own) when no flag is given."""
+    if rank is None and targets is None and base is None:
+        return current
+    lora = dict(current or {})
+    lora.setdefault("rank", 16)
+    lora.setdefault("base_dtype", base_default)
+    if rank is not None:
+        lora["rank"] = rank
+    if base is not None:
+        lora["base_dtype"] = base.strip().lower()
+    if targets is not None:
+        lora["target_modules"] = [x.strip() for x in targets.split(",") if x.strip()]
+    return lora

@@ -26,7 +26,7 @@ BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     kind: str = "ddp"
-    sharding: str = "full_shard"  # fsdp (FSDP1) only
+    sharding: str = "full_shard"  # fsdp (FSDP1); fsdp2 reads only hybrid_shard (HSDP)
     reshard_after_forward: bool = True  # fsdp2 only
     offload_optimizer: str | None = None  # zero1/2/3: cpu (nvme: zero3 only)
     offload_params: str | None = None  # zero3: cpu/nvme; fsdp/fsdp2: cpu (moves params, grads, optimizer)
@@ -59,7 +59,9 @@ class Strategy:
         text = self.kind
         if self.kind == "fsdp":
             text += f":{self.sharding}"
-        if self.kind == "fsdp2" and not self.reshard_after_forward:
+        if self.kind == "fsdp2" and self.shard_group(0) is not None:
+            text += ":hybrid"
+        elif self.kind == "fsdp2" and not self.reshard_after_forward:
             text += ":no_reshard"
         if self.offload_params or self.offload_optimizer:
             devices = {d for d in (self.offload_params, self.offload_optimizer) if d}
@@ -67,6 +69,15 @@ class Strategy:
             if self.kind == "zero3" and self.offload_optimizer and not self.offload_params:
                 text += "-opt"
         return text
+
+    def shard_group(self, gpus_per_node: int) -> int | None:
+        """Ranks per shard group under hybrid sharding (FSDP1 hybrid_shard; FSDP2 HSDP, asked for as
+        `fsdp2:hybrid` or by a shard group size), None when sharding spans every rank."""
+        if self.kind == "fsdp" and self.sharding == "hybrid_shard":
+            return self.shard_group_size or gpus_per_node
+        if self.kind == "fsdp2" and (self.sharding == "hybrid_shard" or self.shard_group_size):
+            return self.shard_group_size or gpus_per_node
+        return None
 
     @property
     def shards_params(self) -> bool:
@@ -90,7 +101,7 @@ class Strategy:
 
 
 def parse_strategy(text: str) -> Strategy:
-    """Parse `single`, `ddp`, `fsdp:shard_grad_op`, `fsdp2:no_reshard`, `zero3+offload`, `zero3+offload-nvme`,
+    """Parse `single`, `ddp`, `fsdp:shard_grad_op`, `fsdp2:no_reshard`, `fsdp2:hybrid`, `zero3+offload`, `zero3+offload-nvme`,
     `zero3+offload-opt`, `zero2+offload`, `fsdp+offload`."""
     raw = str(text).strip().lower()
     base, _, offload = raw.partition("+")
@@ -98,7 +109,7 @@ def parse_strategy(text: str) -> Strategy:
     kind = {"zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3", "fsdp1": "fsdp"}.get(kind, kind)
     if kind not in STRATEGY_KINDS:
         raise ShardfitError(f"unknown strategy '{text}': use one of single, ddp, fsdp[:{'|'.join(FSDP_SHARDING)}], "
-                            "fsdp2[:no_reshard], zero1, zero2, zero3, optionally with +offload")
+                            "fsdp2[:no_reshard|hybrid], zero1, zero2, zero3, optionally with +offload")
     if kind == "single" and (option or offload):
         raise ShardfitError(f"strategy '{text}': single (one device, no wrapper) has no options and no offload: "
                             "use single, or zero2+offload / zero3+offload / fsdp2+offload to offload on one GPU")
@@ -108,6 +119,8 @@ def parse_strategy(text: str) -> Strategy:
             values["sharding"] = option
         elif kind == "fsdp2" and option in ("no_reshard", "reshard"):
             values["reshard_after_forward"] = option == "reshard"
+        elif kind == "fsdp2" and option in ("hybrid", "hybrid_shard"):
+            values["sharding"] = "hybrid_shard"  # HSDP: shard inside a group (GPUs per node by default)
         else:
             raise ShardfitError(f"strategy '{text}': '{option}' is not an option of {kind}")
     if offload:

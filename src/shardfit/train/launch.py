@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.fields import lora_section
 
 # Without a plan file: the tiny preset on CPU, fp32, a few steps, so `shardfit train` finishes
 # in well under a minute on a fresh machine.
@@ -110,7 +111,11 @@ def plan_data(args) -> dict:
         value = getattr(args, flag, None)
         if value is not None:
             data[section][key] = value
-    if getattr(args, "lora_rank", None):
-        data["training"]["lora"] = {**(data["training"].get("lora") or {}), "rank": args.lora_rank,
-                                    "base_dtype": "fp32"}
+    # The LoRA flags (commands/lora_flags.py): any of them turns LoRA on; rank 16 when not given.
+    lora = lora_section(data["training"].get("lora"), *(getattr(args, name, None)
+                                                         for name in ("lora_r", "lora_targets", "lora_base")), "fp32")
+    if lora is not None:
+        from shardfit.estimate.lora_targets import with_default_targets
+
+        data["training"]["lora"] = with_default_targets(lora, data["model"])
     return data
