@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.sizes import parse_size
 
 # With --nproc 1, `single` comes first (see default_strategies).
 DEFAULT_STRATEGIES = ("ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp2", "zero1", "zero2", "zero3",
@@ -89,9 +90,10 @@ def parse_budgets(text: str | None, labels: list[str]) -> dict[str, int]:
     for item in str(text).split(","):
         label, _, value = item.rpartition("=")
         try:
-            size = int(float(value))
-        except ValueError:
-            raise ShardfitError(f"--budget-bytes '{item}': give bytes (2e9) or strategy=bytes (zero3=2e9)") from None
+            size = parse_size(value, "B", "--memory-budget")
+        except ShardfitError as exc:
+            raise ShardfitError(f"--memory-budget '{item}': {exc}; give a size (2GB, 3MiB, 2e9 bytes) or "
+                                "strategy=size (zero3=2GiB)") from None
         for target in ([label] if label else labels):
             if target not in labels:
                 raise ShardfitError(f"--budget-bytes names '{target}', which is not among --strategies {','.join(labels)}")

@@ -19,7 +19,7 @@ def add_arguments(parser) -> None:
                              "pkg.module:fn, or a PLAN.yaml / PLAN.json")
     parser.add_argument("--params", type=float, default=None, help="states-only estimate for this many parameters (e.g. 7.5e9)")
     parser.add_argument("--largest-layer", type=float, default=None, help="with --params: the largest layer's parameters")
-    parser.add_argument("--gpu", default=None, help="GPU model from the catalog, or custom:24 (GiB); default H100-80GB")
+    parser.add_argument("--gpu", default=None, help="GPU model from the catalog, or custom:SIZE (custom:24 is GiB; custom:80GB); default H100-80GB")
     parser.add_argument("--gpus", type=int, default=None, help="total GPUs (default 8; nodes of 8 above 8 GPUs)")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (GPUs per node = --gpus / --nodes)")
     parser.add_argument("--strategy", "--strategies", action="append", default=None, dest="strategy",

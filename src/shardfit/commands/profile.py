@@ -10,6 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shardfit.spec.sizes import size_type
+
 DEFAULT_PLAN = {"model": "tiny-llama", "strategy": {"kind": "ddp"},
                 "training": {"micro_batch": 2, "seq_len": 128, "precision": "fp32"}}
 
@@ -25,11 +27,13 @@ def add_arguments(parser) -> None:
     group.add_argument("--seq", type=int, help="sequence length")
     group.add_argument("--grad-accum", type=int, dest="grad_accum")
     group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
-    group.add_argument("--bucket", type=float, help="DeepSpeed reduce/allgather/prefetch bucket size (elements)")
+    group.add_argument("--bucket", type=size_type("elements", "--bucket"),
+                       help="DeepSpeed reduce/allgather/prefetch bucket size in elements (5e8, 500M)")
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=2, help="steps to run; the last is reported (default 2)")
     run.add_argument("--checkpoint", action="store_true", help="also measure a checkpoint save")
-    run.add_argument("--memory-budget", "--budget", dest="budget", type=float, help="memory budget in bytes: an OOM is raised (and explained) above it")
+    run.add_argument("--memory-budget", "--budget", dest="budget", type=size_type("B", "--memory-budget"),
+                     help="memory budget per rank: a size (3MiB, 2.5GB) or plain bytes; an OOM is raised (and explained) above it")
     run.add_argument("--nproc", type=int, default=None, help="ranks (default 2; 1 for strategy single)")
     run.add_argument("--timeout", type=float, default=900, help="seconds before the run is declared hung")
     out = parser.add_argument_group("output")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+from shardfit.spec.sizes import size_type
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("plan", nargs="?", help="plan YAML (default: tiny-llama on CPU, fp32, 20 steps)")
@@ -43,8 +45,9 @@ def add_arguments(parser) -> None:
     safety = parser.add_argument_group("reliability")
     safety.add_argument("--autopilot", action="store_true",
                         help="on out-of-memory, change the plan (micro-batch, checkpointing, sharding, offload) and retry")
-    safety.add_argument("--memory-budget", type=float, dest="memory_budget",
-                        help="bytes of tensors per rank; above it torch.OutOfMemoryError is raised (rehearse a GPU on CPU)")
+    safety.add_argument("--memory-budget", type=size_type("B", "--memory-budget"), dest="memory_budget",
+                        help="tensor memory per rank: a size (3MiB, 2.5GB) or plain bytes; above it "
+                             "torch.OutOfMemoryError is raised (rehearse a GPU on CPU)")
     safety.add_argument("--collective-timeout", type=float, dest="collective_timeout",
                         help="seconds a step's collectives may wait for a silent rank before the job stops (default 600)")
     safety.add_argument("--max-restarts", type=int, dest="max_restarts",

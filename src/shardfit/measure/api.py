@@ -21,6 +21,7 @@ import sys
 
 from shardfit.errors import ShardfitError
 from shardfit.estimate.result import PHASES
+from shardfit.spec.sizes import parse_size
 
 
 class _PhaseSwitch:
@@ -341,7 +342,7 @@ def profile(model=None, optimizer=None, *, plan=None, budget_bytes: int | None =
     if not enabled:
         return NullProfiler()
     if budget_bytes is None and os.environ.get("SHARDFIT_MEMORY_BUDGET"):
-        budget_bytes = int(float(os.environ["SHARDFIT_MEMORY_BUDGET"]))
+        budget_bytes = parse_size(os.environ["SHARDFIT_MEMORY_BUDGET"], "B", "SHARDFIT_MEMORY_BUDGET")
     if budget_bytes is not None and budget_bytes <= 0:
         raise ShardfitError(f"memory budget must be a positive number of bytes, got {budget_bytes}")
     return Profiler(model, optimizer, plan=plan, budget_bytes=budget_bytes, snapshot_path=snapshot_path,
