@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from shardfit.estimate.result import CATEGORIES
+from shardfit.measure.oom import Diagnosis, format_diagnosis
 
 # (header, JSON path inside one result, format)
 COLUMNS = (
@@ -85,6 +86,8 @@ def notes(report: dict) -> list[str]:
     for result in report["results"]:
         if result.get("status") != "ok":
             out.append(f"{result['strategy']}: {result['status']}: {result.get('error', '')}")
+            if result.get("diagnosis"):
+                out += ["  " + line for line in format_diagnosis(Diagnosis.from_dict(result["diagnosis"])).splitlines()]
         elif get(result, "correctness.status") == "diverged":
             out.append(f"{result['strategy']}: loss diverged from the reference: likely "
                        f"{result['correctness']['likely_cause']}")

@@ -102,13 +102,14 @@ def run(args) -> int:
                          export=args.export)
     import torch
 
+    profiler = None
     try:
-        with autopilot.memory_budget(plan):
+        with autopilot.memory_budget(plan) as profiler:
             train(plan, args.out, options)
     except torch.OutOfMemoryError as exc:
         rank = int(os.environ.get("RANK", "0"))
         if not args.autopilot:
-            raise supervise.oom_error(exc, rank) from None
+            return supervise.explain_oom(exc, profiler, plan, args.out, rank)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
         return autopilot.handle_oom(plan, args.out, exc, rank, len(decisions), device, step=supervise.next_step(args.out))
     except RuntimeError as exc:

@@ -154,6 +154,11 @@ class Profiler:
         return _PhaseSwitch()
 
     @property
+    def step(self) -> int:
+        """Steps begun so far (a step begins at its first forward)."""
+        return self._step
+
+    @property
     def current_phase(self) -> str:
         return self._accountant.phase if self._accountant else "load"
 
