@@ -55,6 +55,15 @@ class NullProfiler:
         return None
 
 
+_ACTIVE: list = []  # profilers entered and not yet left, innermost last
+
+
+def active_profiler():
+    """The innermost profiler now measuring in this process, or None (how a training loop finds the
+    memory budget's accounting without being handed it)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 class Profiler:
     enabled = True
 
@@ -103,11 +112,14 @@ class Profiler:
             self._attach_model(model)
         for optimizer in self._optimizers:
             self._attach_optimizer(optimizer)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         import torch
 
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if exc is not None and isinstance(exc, torch.OutOfMemoryError):
             self.record_oom(exc)
         self._accountant.end_phase()
@@ -152,6 +164,11 @@ class Profiler:
             raise ShardfitError(f"unknown phase '{name}': use one of {', '.join(PHASES)}")
         self._switch(name)
         return _PhaseSwitch()
+
+    @property
+    def tensor_peak_bytes(self) -> int:
+        """The highest live tracked tensor bytes so far (what the memory budget is compared with)."""
+        return self._accountant.run_peak_bytes if self._accountant else 0
 
     @property
     def step(self) -> int:
