@@ -130,6 +130,15 @@ def _with_offload(strategy, offload: str | None, nvme_path: str | None):
     return replace(strategy, offload_params=device, nvme_path=path)
 
 
+def no_valid_strategy(skipped: list[tuple[str, str]]) -> ShardfitError:
+    """Every strategy was refused. The same reason for each is an error of the plan itself (a
+    training or cluster field): said as such. Only reasons that differ are strategies' own."""
+    reasons = list(dict.fromkeys(reason for _, reason in skipped))
+    if len(reasons) == 1:
+        return ShardfitError(f"invalid plan: {reasons[0]}")
+    return ShardfitError("no strategy is valid for this plan: " + "; ".join(f"{label}: {reason}" for label, reason in skipped))
+
+
 def strategies_for(args, plan):
     """[(strategy, explicit)]: the asked strategies, or every strategy (invalid ones get skipped)."""
     from shardfit.spec.plan import parse_strategy
@@ -195,7 +204,7 @@ def run(args) -> int:
             est = replace(est, warnings=tuple(warnings) + est.warnings)
         rows.append((strategy.label, est))
     if not rows:
-        raise ShardfitError(f"no strategy is valid for this plan: {skipped[0][0]}: {skipped[0][1]}")
+        raise no_valid_strategy(skipped)
     if args.json:
         doc = report.document(plan, gpu, rows, args.accounting, args.device, args.checkpoint, skipped,
                               with_terms=args.explain)
