@@ -25,3 +25,20 @@ def test_without_a_budget_a_cpu_run_logs_only_the_labelled_rss():
     assert tensors is None and rss > 0
     line = _log_line(dict(RECORD, rss_bytes=rss), 10)
     assert "peak" not in line and "| rss " in line
+
+
+
+def test_a_live_bar_only_on_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    from shardfit.train.loop import stdout_is_terminal
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a log file, a pipe: no bar
+    assert not stdout_is_terminal()
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert stdout_is_terminal()

@@ -129,6 +129,12 @@ def write_csv(report: dict, path: Path) -> None:
         writer.writerows(rows)
 
 
+# chart id (its file name) -> the title a reader sees under it
+CHART_TITLES = {"memory": "Memory per rank at the peak phase, by category: measured vs predicted",
+                "step_time": "Step time per strategy (median, min–max)",
+                "comm": "Collective traffic per step and rank, by kind, vs the ideal"}
+
+
 def charts(report: dict, folder: Path) -> dict[str, Path]:
     """memory.png (by category, measured vs predicted), step_time.png, comm.png."""
     import matplotlib
@@ -211,8 +217,10 @@ def write_html(report: dict, chart_paths: dict[str, Path], path: Path) -> None:
         rows.append(f"<tr{css}>" + "".join(_cell(index, result, p, k) for _, p, k in COLUMNS) + "</tr>")
     remarks = "".join(f"<li>{html.escape(line)}</li>" for line in notes(report))
     images = "".join(
-        f'<figure><img alt="{name}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-        f"<figcaption>{name}</figcaption></figure>" for name, p in chart_paths.items())
+        f'<figure id="chart-{name}"><img alt="{html.escape(CHART_TITLES.get(name, name))}" '
+        f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        f"<figcaption>{html.escape(CHART_TITLES.get(name, name))}</figcaption></figure>"
+        for name, p in chart_paths.items())
     comm_rows = []
     for index, result in enumerate(report["results"]):
         for kind, entry in sorted((result.get("comm") or {}).get("per_kind", {}).items()):

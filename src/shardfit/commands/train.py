@@ -41,7 +41,7 @@ def add_arguments(parser) -> None:
                                       "fresh start), a run folder, or a checkpoint folder")
     run.add_argument("--export", help="write a Hugging Face model folder at the end")
     run.add_argument("--prompt", default=None, help="prompt of the sample generated at each evaluation")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only; also the case when stderr is not a terminal)")
     safety = parser.add_argument_group("reliability")
     safety.add_argument("--autopilot", action="store_true",
                         help="on out-of-memory, change the plan (micro-batch, checkpointing, sharding, offload) and retry")

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,12 @@ def peak_memory_bytes(device) -> tuple[int | None, int]:
         return int(torch.cuda.max_memory_allocated(device)), rss
     profiler = active_profiler()
     return (profiler.tensor_peak_bytes if profiler is not None else None), rss
+
+
+def stdout_is_terminal() -> bool:
+    """A live progress bar only on a terminal: in a log or a pipe its redraws become one repeated
+    line per update, interleaved with the log lines."""
+    return sys.stdout.isatty()
 
 
 def seed_everything(seed: int) -> None:
@@ -107,9 +114,11 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
     metrics_file = out / "metrics.jsonl"
     records: list[dict] = []
     bar = None
-    if ctx.is_main and options.progress and not options.quiet:
+    if ctx.is_main and options.progress and not options.quiet and stdout_is_terminal():
         from tqdm import tqdm
-        bar = tqdm(total=s.steps, initial=start, desc=f"train {engine.kind}", unit="step", leave=False)
+        # On stdout, with the log lines it makes room for: `shardfit train` relays its workers'
+        # stderr through a pipe, so a bar there would be redrawn out of order with them.
+        bar = tqdm(total=s.steps, initial=start, desc=f"train {engine.kind}", unit="step", leave=False, file=sys.stdout)
     window_tokens, window_start = 0, time.perf_counter()
     dog = Watchdog.for_context(ctx)
     for step in range(start, s.steps):
