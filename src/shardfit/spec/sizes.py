@@ -61,6 +61,8 @@ def _split(text, plain: str, what: str) -> tuple[float, str]:
         raise ShardfitError(f"{what} '{text}' is not a size: give a number with an optional unit, e.g. {example} "
                             f"(a plain number is {plain})")
     value = float(found.group(1))
+    if not math.isfinite(value):
+        raise ShardfitError(f"{what} '{text}' is too large")
     if value < 0:
         raise ShardfitError(f"{what} must be a positive size, got '{text}'")
     return value, found.group(2)

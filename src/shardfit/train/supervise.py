@@ -4,7 +4,6 @@ handling of an OOM (autopilot) and of a lost peer. The loop itself is in loop.py
 """
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -90,10 +89,8 @@ def relaunch(worker_argv: list[str], args, restarts: int) -> int:
         return subprocess.call(command, env=env)
     env[SUPERVISED_ENV] = "1"
     started = time.time() - 1  # file times have a coarse grain on some file systems
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
-    # newline="": a progress bar's "\r" redraws pass through as redraws, not as one new line each.
-    failures = filter_launcher(io.TextIOWrapper(process.stderr, encoding="utf-8", errors="replace", newline=""),
-                               sys.stderr)
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
+    failures = filter_launcher(process.stderr, sys.stderr)
     code = process.wait()
     oom = _run_oom(args.out, started) if code != 0 else None
     if oom is not None:
