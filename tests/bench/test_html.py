@@ -95,3 +95,22 @@ def test_chart_captions_are_titles_not_ids(tmp_path):
     assert parser.captions == [CHART_TITLES[name] for name in ("memory", "step_time", "comm")]
     assert not {"memory", "step_time", "comm"} & {c.strip() for c in parser.captions}
     assert all(len(c.split()) >= 4 for c in parser.captions), parser.captions  # words a reader reads
+
+
+def test_an_oom_strategy_is_explained_once_with_sized_changes(tmp_path):
+    """One strategy given a 1000-byte budget: the bench notes carry profile's diagnosis of the worst
+    rank (every rank ran out), once, with each change's flags and predicted peak."""
+    import json
+
+    from launch import shardfit
+
+    out = tmp_path / "bench"
+    done = shardfit("bench", "--strategies", "fsdp2", "--budget-bytes", "1KB", "--steps", "2", "--warmup", "2",
+                    "--no-checkpoint", "--out", str(out), timeout=300, check=False)
+    result = json.loads((out / "report.json").read_text())["results"][0]
+    assert result["status"] == "oom", result
+    diagnosis = result["diagnosis"]
+    assert diagnosis["phase"] == "forward" and diagnosis["limit_bytes"] == 1000 and diagnosis["live"]["params"] > 0
+    assert diagnosis["fixes"] and all(f["flags"] and f["peak_bytes"] > 0 for f in diagnosis["fixes"])
+    assert done.stdout.count("OUT OF MEMORY on rank") == 1 and "smallest changes (estimator):" in done.stdout
+    assert "[--ac full | plan: training.activation_checkpointing: full]" in done.stdout

@@ -165,7 +165,11 @@ def run_strategy(plan, label: str, *, out: Path, nproc: int, warmup: int, steps:
     written = [result_file] + sorted(work.glob("result.rank*.json"))
     written = [f for f in written if f.is_file()]
     if written:
-        result = json.loads(written[0].read_text())
+        results = [json.loads(f.read_text()) for f in written]
+        result = results[0]
+        diagnoses = [r["diagnosis"] for r in results if r.get("diagnosis")]
+        if diagnoses:  # each rank that ran out wrote its own: keep the one with the most memory live
+            result["diagnosis"] = max(diagnoses, key=lambda d: (sum(d.get("live", {}).values()), -d.get("rank", 0)))
     else:
         result = {"strategy": label, "status": "timeout" if code is None else ("oom" if code == OOM_EXIT else "failed"),
                   "error": f"no result after {timeout:.0f} s" if code is None else _last_error(log)}

@@ -166,9 +166,19 @@ def _measured_step(engine, batch, plan, budget: int):
 
     prof = shardfit.profile(engine.model, engine.optimizer, plan=plan, budget_bytes=budget or None,
                             explain_oom=False, label=plan.strategy.label)
+    import torch
+
     with CommCounter() as counter:
-        with prof:
-            loss = _step(engine, batch, counter)
+        try:
+            with prof:
+                loss = _step(engine, batch, counter)
+        except torch.OutOfMemoryError as exc:
+            # This rank's diagnosis, as `shardfit profile` gives it (no collective after an OOM):
+            # run_strategy keeps the worst rank's of those the failing ranks wrote.
+            from shardfit.measure.oom import diagnose
+
+            exc.diagnosis = diagnose(prof.report(), plan)
+            raise
     gathered = gather(prof.report(), everywhere=True)
     phases = {p: dict(c) for p, c in gathered.phases.items() if p in ("forward", "backward", "optimizer")}
     return loss, phases, gathered, counter.summary()
