@@ -128,3 +128,22 @@ def test_plan_file_errors(tmp_path):
     wrong.write_text("model: tiny-llama\ntraining: {micro_batchez: 2}\n")
     result = shardfit("plan", str(wrong), check=False)
     assert result.returncode == 2 and "unknown field 'training.micro_batchez'" in result.stderr
+
+
+@pytest.mark.parametrize("args, field", [(["--micro-batch", "0"], "training.micro_batch must be at least 1, got 0"),
+                                         (["--seq", "0"], "training.seq_len must be at least 1, got 0")])
+def test_a_plan_error_is_not_a_strategy_error(args, field):
+    result = shardfit("plan", "tiny-llama", *args, check=False)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1
+    assert lines[0] == f"shardfit: error: invalid plan: {field}"  # no "no strategy is valid ... ddp:"
+
+
+def test_no_strategy_is_valid_only_when_strategies_differ():
+    from shardfit.commands.plan import no_valid_strategy
+
+    same = no_valid_strategy([("ddp", "training.micro_batch must be at least 1"),
+                              ("zero3", "training.micro_batch must be at least 1")])
+    assert str(same) == "invalid plan: training.micro_batch must be at least 1"
+    differ = no_valid_strategy([("ddp", "needs 2 GPUs"), ("zero3", "offload needs a path")])
+    assert str(differ) == "no strategy is valid for this plan: ddp: needs 2 GPUs; zero3: offload needs a path"

@@ -21,6 +21,11 @@ def test_every_strategy_runs_and_the_doomed_one_is_reported_as_oom(bench_run):
     doomed = by_label[DOOMED]
     assert doomed["status"] == "oom" and "budget" in doomed["error"], doomed
     assert f"] {DOOMED}" in proc.stdout and "OOM" in proc.stdout
+    # the OOM is explained as `shardfit profile` explains it: once, for the worst rank, with sized changes
+    diagnosis = doomed["diagnosis"]
+    assert diagnosis["phase"] in ("load", "forward", "backward", "optimizer") and diagnosis["limit_bytes"] == 1000
+    assert diagnosis["fixes"] and all(f["flags"] for f in diagnosis["fixes"]), diagnosis
+    assert proc.stdout.count("OUT OF MEMORY on rank") == 1 and "smallest changes (estimator)" in proc.stdout
 
 
 def test_losses_match_the_ddp_reference_and_checkpoints_round_trip_exactly(bench_run):

@@ -18,7 +18,7 @@ def test_budgets_apply_to_all_or_one_strategy():
     assert parse_budgets("zero3=1000,ddp=5e6", LABELS) == {"zero3": 1000, "ddp": 5_000_000}
     with pytest.raises(ShardfitError, match="not among --strategies"):
         parse_budgets("zero2=1", LABELS)
-    with pytest.raises(ShardfitError, match="give bytes"):
+    with pytest.raises(ShardfitError, match="give a size"):
         parse_budgets("zero3=lots", LABELS)
 
 

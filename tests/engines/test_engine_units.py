@@ -93,3 +93,22 @@ def test_lora_targets_must_exist():
     model, _ = prepare_model(plan, build_model("tiny-llama", seed=0))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < trainable < sum(p.numel() for p in model.parameters()) // 10
+
+
+@pytest.mark.parametrize("training", [{"activation_checkpointing": "full"},
+                                      {"activation_checkpointing": "full", "lora": {"rank": 2, "base_dtype": "fp32"}}])
+def test_checkpointing_uses_the_installed_transformers_current_api(training):
+    """transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*; the old names
+    warn (FutureWarning) on every run that calls them. A checkpointed run (LoRA too) warns nothing."""
+    import warnings
+
+    from shardfit.engines.base import prepare_model
+    from shardfit.modeling import build_model
+
+    model = build_model("tiny-llama", seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, blocks = prepare_model(_plan(training=training), model)
+    deprecated = [str(w.message) for w in caught if "checkpointing" in str(w.message) and "deprecated" in str(w.message)]
+    assert not deprecated, deprecated
+    assert all(m.gradient_checkpointing for m in model.modules() if isinstance(m, blocks))

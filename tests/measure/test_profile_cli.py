@@ -57,6 +57,22 @@ def test_profile_script_reports_every_rank(tmp_path):
     assert result["phases"]["optimizer"]["grads"] == 4 * n
 
 
+def test_profile_script_that_fails_shows_its_own_error_and_what_it_reached():
+    done = shardfit("profile", "--script", str(DATA / "user_train.py"), "--", "--steps", "3", "--width", "64",
+                    "--fail-at-step", "2", timeout=300, check=False)
+    assert done.returncode == 1
+    err = done.stderr
+    # both ranks failed alike: shown once, with the exit code and the script's own traceback
+    assert "the script failed on ranks 0, 1 (exit code 1), its stderr ends:" in err, err
+    assert "RuntimeError: gradient check failed at step 2" in err and "user_train.py" in err
+    assert "script_runner.py" not in err and "runpy" not in err  # the script's frames, not ours
+    assert "  | checking the gradients" in err  # what the script wrote before raising
+    head = done.stdout.splitlines()[0]
+    assert "measured until the failure (reached backward, step 2)" in head, done.stdout
+    table = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line.strip()}
+    assert "backward" in table and "optimizer" in table  # step 1 completed: every phase was measured
+
+
 @pytest.mark.parametrize("args, message", [
     (["--strategy", "zero9"], "unknown strategy"),
     (["no-such-plan.yaml"], "not found"),

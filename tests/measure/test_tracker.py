@@ -18,7 +18,10 @@ SEQ, BATCH = 32, 2
 def _model(ac: bool = False):
     model = build_model("tiny-llama", device="cpu", seed=0)
     if ac:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -35,6 +35,7 @@ def test_relaunch_uses_the_launch_env(monkeypatch, debug):
     monkeypatch.setattr(supervise.subprocess, "call", call)
     args = SimpleNamespace(nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None)
     assert supervise.relaunch(["train", "--out", "x"], args, restarts=0) == 0
-    assert seen["env"] == launch_env()
+    # plus, when its stderr is filtered, the mark that it prints the OOM diagnosis once for the workers
+    assert seen["env"] == (launch_env() if debug else {**launch_env(), supervise.SUPERVISED_ENV: "1"})
     assert seen["env"]["TORCH_EXTENSIONS_DIR"] == extensions_dir() and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert "--max-restarts=0" in seen["command"]

@@ -28,7 +28,7 @@ def test_default_train_runs_and_logs(default_run):
     records = _metrics(out)
     assert [r["step"] for r in records] == list(range(1, 21))
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
-    assert "step 20/20 | loss" in result.stdout and "tok/s | peak" in result.stdout
+    assert "step 20/20 | loss" in result.stdout and "tok/s | rss " in result.stdout
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [10, 20] and evals[1]["val_loss"] < evals[0]["val_loss"]
     assert isinstance(evals[1]["sample"], str) and "sample 'In the morning, the baker' ->" in result.stdout

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from shardfit.estimate.result import CATEGORIES
+from shardfit.measure.oom import Diagnosis, format_diagnosis
 
 # (header, JSON path inside one result, format)
 COLUMNS = (
@@ -85,6 +86,8 @@ def notes(report: dict) -> list[str]:
     for result in report["results"]:
         if result.get("status") != "ok":
             out.append(f"{result['strategy']}: {result['status']}: {result.get('error', '')}")
+            if result.get("diagnosis"):
+                out += ["  " + line for line in format_diagnosis(Diagnosis.from_dict(result["diagnosis"])).splitlines()]
         elif get(result, "correctness.status") == "diverged":
             out.append(f"{result['strategy']}: loss diverged from the reference: likely "
                        f"{result['correctness']['likely_cause']}")
@@ -124,6 +127,12 @@ def write_csv(report: dict, path: Path) -> None:
         writer = csv.DictWriter(handle, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
+
+
+# chart id (its file name) -> the title a reader sees under it
+CHART_TITLES = {"memory": "Memory per rank at the peak phase, by category: measured vs predicted",
+                "step_time": "Step time per strategy (median, min–max)",
+                "comm": "Collective traffic per step and rank, by kind, vs the ideal"}
 
 
 def charts(report: dict, folder: Path) -> dict[str, Path]:
@@ -208,8 +217,10 @@ def write_html(report: dict, chart_paths: dict[str, Path], path: Path) -> None:
         rows.append(f"<tr{css}>" + "".join(_cell(index, result, p, k) for _, p, k in COLUMNS) + "</tr>")
     remarks = "".join(f"<li>{html.escape(line)}</li>" for line in notes(report))
     images = "".join(
-        f'<figure><img alt="{name}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
-        f"<figcaption>{name}</figcaption></figure>" for name, p in chart_paths.items())
+        f'<figure id="chart-{name}"><img alt="{html.escape(CHART_TITLES.get(name, name))}" '
+        f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        f"<figcaption>{html.escape(CHART_TITLES.get(name, name))}</figcaption></figure>"
+        for name, p in chart_paths.items())
     comm_rows = []
     for index, result in enumerate(report["results"]):
         for kind, entry in sorted((result.get("comm") or {}).get("per_kind", {}).items()):

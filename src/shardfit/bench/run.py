@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.sizes import parse_size
 
 # With --nproc 1, `single` comes first (see default_strategies).
 DEFAULT_STRATEGIES = ("ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp2", "zero1", "zero2", "zero3",
@@ -89,9 +90,10 @@ def parse_budgets(text: str | None, labels: list[str]) -> dict[str, int]:
     for item in str(text).split(","):
         label, _, value = item.rpartition("=")
         try:
-            size = int(float(value))
-        except ValueError:
-            raise ShardfitError(f"--budget-bytes '{item}': give bytes (2e9) or strategy=bytes (zero3=2e9)") from None
+            size = parse_size(value, "B", "--memory-budget")
+        except ShardfitError as exc:
+            raise ShardfitError(f"--memory-budget '{item}': {exc}; give a size (2GB, 3MiB, 2e9 bytes) or "
+                                "strategy=size (zero3=2GiB)") from None
         for target in ([label] if label else labels):
             if target not in labels:
                 raise ShardfitError(f"--budget-bytes names '{target}', which is not among --strategies {','.join(labels)}")
@@ -163,7 +165,11 @@ def run_strategy(plan, label: str, *, out: Path, nproc: int, warmup: int, steps:
     written = [result_file] + sorted(work.glob("result.rank*.json"))
     written = [f for f in written if f.is_file()]
     if written:
-        result = json.loads(written[0].read_text())
+        results = [json.loads(f.read_text()) for f in written]
+        result = results[0]
+        diagnoses = [r["diagnosis"] for r in results if r.get("diagnosis")]
+        if diagnoses:  # each rank that ran out wrote its own: keep the one with the most memory live
+            result["diagnosis"] = max(diagnoses, key=lambda d: (sum(d.get("live", {}).values()), -d.get("rank", 0)))
     else:
         result = {"strategy": label, "status": "timeout" if code is None else ("oom" if code == OOM_EXIT else "failed"),
                   "error": f"no result after {timeout:.0f} s" if code is None else _last_error(log)}

@@ -144,9 +144,19 @@ def _measured_step(engine, batch, plan, budget: int):
 
     prof = shardfit.profile(engine.model, engine.optimizer, plan=plan, budget_bytes=budget or None,
                             explain_oom=False, label=plan.strategy.label)
+    import torch
+
     with CommCounter() as counter:
-        with prof:
-            loss = _step(engine, batch, counter)
+        try:
+            with prof:
+                loss = _step(engine, batch, counter)
+        except torch.OutOfMemoryError as exc:
+            # This rank's diagnosis, as `shardfit profile` gives it (no collective after an OOM):
+            # run_strategy keeps the worst rank's of those the failing ranks wrote.
+            from shardfit.measure.oom import diagnose
+
+            exc.diagnosis = diagnose(prof.report(), plan)
+            raise
     gathered = gather(prof.report(), everywhere=True)
     phases = {p: dict(c) for p, c in gathered.phases.items() if p in ("forward", "backward", "optimizer")}
     return loss, phases, gathered, counter.summary()
@@ -176,8 +186,12 @@ def train(args, plan, ctx) -> dict:
                           host_bytes=max(cats.get("host", 0) for cats in gathered.phases.values()))
             ooms = gathered.ooms
             if ooms:
-                raise BudgetExceeded(f"over the {args.budget_bytes} B budget on rank {ooms[0]['rank']} "
-                                     f"in {ooms[0].get('phase')}: {ooms[0].get('message', '')}")
+                from shardfit.measure.oom import worst_rank_diagnosis
+
+                error = BudgetExceeded(f"over the {args.budget_bytes} B budget on rank {ooms[0]['rank']} "
+                                       f"in {ooms[0].get('phase')}: {ooms[0].get('message', '')}")
+                error.diagnosis = worst_rank_diagnosis(gathered.ranks, plan)  # what `shardfit profile` says
+                raise error
             losses.append(float(loss))
             continue
         _sync(device)
@@ -308,7 +322,9 @@ def _guarded(run, label: str) -> tuple[dict, int]:
     try:
         return run(), 0
     except (BudgetExceeded, torch.OutOfMemoryError) as exc:
-        return {"strategy": label, "status": "oom", "error": str(exc).splitlines()[0][:500]}, OOM_EXIT
+        diagnosis = getattr(exc, "diagnosis", None)
+        return {"strategy": label, "status": "oom", "error": str(exc).splitlines()[0][:500],
+                **({"diagnosis": diagnosis.to_dict()} if diagnosis is not None else {})}, OOM_EXIT
     except Exception as exc:  # noqa: BLE001 - one strategy failing must become a reported result
         traceback.print_exc()
         return {"strategy": label, "status": "failed", "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500]}, 1

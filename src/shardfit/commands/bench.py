@@ -18,7 +18,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps; the last one is instrumented (default 2)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     parser.add_argument("--memory-budget", "--budget-bytes", dest="budget_bytes", default=None,
-                        help="memory budget per rank: BYTES for all, or LABEL=BYTES[,LABEL=BYTES]; over it = OOM")
+                        help="memory budget per rank: SIZE for all, or LABEL=SIZE[,LABEL=SIZE]; a size is 3MiB, 2GB or plain bytes; over it = OOM")
     parser.add_argument("--nproc", type=int, default=None, help="ranks per job (default: 2 on CPU, GPUs on CUDA)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per torchrun job (default 300)")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint round trip (save + fresh-process reload)")

@@ -11,7 +11,7 @@ def add_arguments(parser) -> None:
                         help="DeepSpeed JSON, Accelerate YAML, TrainingArguments JSON, a plan, a model config.json, "
                              "or a training script (.py, read, never run)")
     parser.add_argument("--model", help="the model being trained (preset, config path): enables the size rules")
-    parser.add_argument("--gpu", help="GPU catalog name or custom:GiB: enables the memory rules")
+    parser.add_argument("--gpu", help="GPU catalog name or custom:SIZE (custom:24 is GiB; custom:80GB): enables the memory rules")
     parser.add_argument("--gpus", type=int, help="total GPUs (without --nodes, nodes of 8 above 8 GPUs)")
     parser.add_argument("--nodes", type=int, help="nodes (GPUs per node = --gpus / --nodes)")
     parser.add_argument("--seq", type=int, help="sequence length in tokens")

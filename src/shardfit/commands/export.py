@@ -3,12 +3,15 @@ Hugging Face model folder (config.json + safetensors) that from_pretrained loads
 no GPU, tensor by tensor."""
 from __future__ import annotations
 
+from shardfit.spec.sizes import gib_type
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", help="a checkpoint folder (OUT/checkpoints/step-K), or a run folder (its latest)")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    parser.add_argument("--max-shard-gb", type=float, default=2.0, dest="max_shard_gb",
-                        help="split the weights into files of at most this size (default 2)")
+    parser.add_argument("--max-shard-gb", "--max-shard-size", type=gib_type("--max-shard-gb"), default=2.0,
+                        dest="max_shard_gb", help="split the weights into files of at most this size: a size "
+                                                  "(500MB, 1GiB) or plain GiB (default 2)")
 
 
 def run(args) -> int:

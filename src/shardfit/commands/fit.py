@@ -6,11 +6,12 @@ import json
 import sys
 
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
+from shardfit.spec.sizes import gib_type
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="preset name (see `shardfit models`), config.json path/folder, or pkg.module:fn")
-    parser.add_argument("--gpu", default="H100-80GB", help="GPU catalog name, or custom:GiB (default H100-80GB)")
+    parser.add_argument("--gpu", default="H100-80GB", help="GPU catalog name, or custom:SIZE (custom:24 is GiB; custom:80GB) (default H100-80GB)")
     parser.add_argument("--gpus", type=int, default=8,
                         help="total GPUs (default 8); without --nodes, nodes of 8 above 8 GPUs")
     parser.add_argument("--nodes", type=int, help="nodes (GPUs per node = --gpus / --nodes)")
@@ -26,8 +27,8 @@ def add_arguments(parser) -> None:
                         help="comma list of engines to search: single (one GPU only), ddp, deepspeed, fsdp (default all)")
     parser.add_argument("--cpu", action="store_true",
                         help="budget for a CPU run: compare tensor bytes only (no CUDA context / NCCL)")
-    parser.add_argument("--host-memory-gib", type=float, dest="host_memory_gib",
-                        help="host RAM per node; offload plans that exceed it are rejected")
+    parser.add_argument("--host-memory-gib", "--host-memory", type=gib_type("--host-memory-gib"), dest="host_memory_gib",
+                        help="host RAM per node: a size (512GB, 1TiB) or plain GiB; offload plans that exceed it are rejected")
     parser.add_argument("--nvme-path", dest="nvme_path",
                         help="NVMe mount for ZeRO-Infinity offload (needed to write a plan that offloads to NVMe)")
     parser.add_argument("--top", type=int, default=3, help="alternatives to show (default 3)")

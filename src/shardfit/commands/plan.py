@@ -20,7 +20,7 @@ def add_arguments(parser) -> None:
                              "pkg.module:fn, or a PLAN.yaml / PLAN.json")
     parser.add_argument("--params", type=float, default=None, help="states-only estimate for this many parameters (e.g. 7.5e9)")
     parser.add_argument("--largest-layer", type=float, default=None, help="with --params: the largest layer's parameters")
-    parser.add_argument("--gpu", default=None, help="GPU model from the catalog, or custom:24 (GiB); default H100-80GB")
+    parser.add_argument("--gpu", default=None, help="GPU model from the catalog, or custom:SIZE (custom:24 is GiB; custom:80GB); default H100-80GB")
     parser.add_argument("--gpus", type=int, default=None, help="total GPUs (default 8; nodes of 8 above 8 GPUs)")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (GPUs per node = --gpus / --nodes)")
     parser.add_argument("--strategy", "--strategies", action="append", default=None, dest="strategy",
@@ -120,6 +120,15 @@ def _with_offload(strategy, offload: str | None, nvme_path: str | None):
     return replace(strategy, offload_params=device, nvme_path=path)
 
 
+def no_valid_strategy(skipped: list[tuple[str, str]]) -> ShardfitError:
+    """Every strategy was refused. The same reason for each is an error of the plan itself (a
+    training or cluster field): said as such. Only reasons that differ are strategies' own."""
+    reasons = list(dict.fromkeys(reason for _, reason in skipped))
+    if len(reasons) == 1:
+        return ShardfitError(f"invalid plan: {reasons[0]}")
+    return ShardfitError("no strategy is valid for this plan: " + "; ".join(f"{label}: {reason}" for label, reason in skipped))
+
+
 def strategies_for(args, plan):
     """[(strategy, explicit)]: the asked strategies, or every strategy (invalid ones get skipped)."""
     from shardfit.spec.plan import parse_strategy
@@ -185,7 +194,7 @@ def run(args) -> int:
             est = replace(est, warnings=tuple(warnings) + est.warnings)
         rows.append((strategy.label, est))
     if not rows:
-        raise ShardfitError(f"no strategy is valid for this plan: {skipped[0][0]}: {skipped[0][1]}")
+        raise no_valid_strategy(skipped)
     if args.json:
         doc = report.document(plan, gpu, rows, args.accounting, args.device, args.checkpoint, skipped,
                               with_terms=args.explain)

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from shardfit.commands.lora_flags import add_lora_arguments
+from shardfit.spec.sizes import size_type
 
 DEFAULT_PLAN = {"model": "tiny-llama", "strategy": {"kind": "ddp"},
                 "training": {"micro_batch": 2, "seq_len": 128, "precision": "fp32"}}
@@ -28,11 +29,13 @@ def add_arguments(parser) -> None:
     group.add_argument("--grad-accum", type=int, dest="grad_accum")
     group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
     add_lora_arguments(group, base_default_text="fp32 for profile")
-    group.add_argument("--bucket", type=float, help="DeepSpeed reduce/allgather/prefetch bucket size (elements)")
+    group.add_argument("--bucket", type=size_type("elements", "--bucket"),
+                       help="DeepSpeed reduce/allgather/prefetch bucket size in elements (5e8, 500M)")
     run = parser.add_argument_group("run")
     run.add_argument("--steps", type=int, default=2, help="steps to run; the last is reported (default 2)")
     run.add_argument("--checkpoint", action="store_true", help="also measure a checkpoint save")
-    run.add_argument("--memory-budget", "--budget", dest="budget", type=float, help="memory budget in bytes: an OOM is raised (and explained) above it")
+    run.add_argument("--memory-budget", "--budget", dest="budget", type=size_type("B", "--memory-budget"),
+                     help="memory budget per rank: a size (3MiB, 2.5GB) or plain bytes; an OOM is raised (and explained) above it")
     run.add_argument("--nproc", type=int, default=None, help="ranks (default 2; 1 for strategy single)")
     run.add_argument("--timeout", type=float, default=900, help="seconds before the run is declared hung")
     out = parser.add_argument_group("output")
@@ -161,7 +164,7 @@ def run(args) -> int:
 def _print_result(result: dict, plan, args) -> int:
     from shardfit.errors import ShardfitError
     from shardfit.measure.compare import format_comparison
-    from shardfit.measure.oom import Diagnosis, Fix, format_diagnosis
+    from shardfit.measure.oom import Diagnosis, format_diagnosis
     from shardfit.measure.report import GatheredReport, RankReport, format_phase_table
 
     if result.get("error") and result["error"] != "oom":
@@ -189,10 +192,7 @@ def _print_result(result: dict, plan, args) -> int:
     for line in gathered.imbalance_lines():
         print(f"imbalance: {line}")
     if result.get("diagnosis"):
-        d = dict(result["diagnosis"])
-        d["fixes"] = tuple(Fix(**f) for f in d["fixes"])
-        d["notes"] = tuple(d["notes"])
-        print(format_diagnosis(Diagnosis(**d)))
+        print(format_diagnosis(Diagnosis.from_dict(result["diagnosis"])))
     if args.chart:
         print(f"chart: {args.chart}")
     return 3 if result.get("error") == "oom" else 0
@@ -214,21 +214,42 @@ def _run_script(args) -> int:
         if not files:
             tail = (done.stderr or "").strip().splitlines()[-5:]
             raise ShardfitError(f"the script failed before reporting (exit {done.returncode}): " + " | ".join(tail))
-        ranks = tuple(RankReport.from_dict(json.loads(f.read_text())) for f in files)
+        datas = [json.loads(f.read_text()) for f in files]
+        ranks = tuple(RankReport.from_dict(d) for d in datas)
     gathered = GatheredReport(ranks=ranks)
+    failures = [(d["rank"], d["script"]) for d in datas if (d.get("script") or {}).get("exit_code")]
+    if failures and not gathered.ooms:
+        _print_script_failures(failures)
     if args.chart:
         from shardfit.measure.chart import write_chart
 
         write_chart(gathered.phases, None, args.chart, title=f"{script.name} (measured)")
     if args.json:
-        print(json.dumps(gathered.to_dict(), indent=1))
+        print(json.dumps(dict(gathered.to_dict(), failures=[dict(s, rank=r) for r, s in failures]), indent=1))
     else:
-        print(format_phase_table(gathered.phases, title=f"{script.name} · {len(ranks)} ranks · worst rank per phase"))
+        title = f"{script.name} · {len(ranks)} ranks · worst rank per phase"
+        if failures:
+            reached = max((s for _, s in failures), key=lambda s: s.get("step", 0))
+            title += f" · measured until the failure (reached {reached['phase']}, step {reached['step']})"
+        print(format_phase_table(gathered.phases, title=title))
         for line in gathered.imbalance_lines():
             print(f"imbalance: {line}")
-        from shardfit.measure.oom import diagnose, format_diagnosis
+        from shardfit.measure.oom import format_diagnosis, worst_rank_diagnosis
 
-        for rank in ranks:
-            if rank.oom:
-                print(format_diagnosis(diagnose(rank)))
+        if gathered.ooms:
+            print(format_diagnosis(worst_rank_diagnosis(ranks)))
     return 3 if gathered.ooms else (0 if done.returncode == 0 else 1)
+
+
+def _print_script_failures(failures: list) -> None:
+    """The script's own error, before the table of what it reached: per failing rank, its exit code
+    and the tail of its stderr; ranks that failed alike are shown once."""
+    alike: dict = {}
+    for rank, script in failures:
+        alike.setdefault((script["exit_code"], tuple(script.get("stderr_tail") or ())), []).append(rank)
+    for (code, tail), ranks in alike.items():
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+        print(f"the script failed on {who} (exit code {code})" + (", its stderr ends:" if tail else ""), file=sys.stderr)
+        for line in tail:
+            print(f"  | {line}", file=sys.stderr)
+    sys.stderr.flush()

@@ -10,6 +10,7 @@ import os
 import sys
 
 from shardfit.commands.lora_flags import add_lora_arguments
+from shardfit.spec.sizes import size_type
 
 
 def add_arguments(parser) -> None:
@@ -41,12 +42,13 @@ def add_arguments(parser) -> None:
                                       "fresh start), a run folder, or a checkpoint folder")
     run.add_argument("--export", help="write a Hugging Face model folder at the end")
     run.add_argument("--prompt", default=None, help="prompt of the sample generated at each evaluation")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only; also the case when stderr is not a terminal)")
     safety = parser.add_argument_group("reliability")
     safety.add_argument("--autopilot", action="store_true",
                         help="on out-of-memory, change the plan (micro-batch, checkpointing, sharding, offload) and retry")
-    safety.add_argument("--memory-budget", type=float, dest="memory_budget",
-                        help="bytes of tensors per rank; above it torch.OutOfMemoryError is raised (rehearse a GPU on CPU)")
+    safety.add_argument("--memory-budget", type=size_type("B", "--memory-budget"), dest="memory_budget",
+                        help="tensor memory per rank: a size (3MiB, 2.5GB) or plain bytes; above it "
+                             "torch.OutOfMemoryError is raised (rehearse a GPU on CPU)")
     safety.add_argument("--collective-timeout", type=float, dest="collective_timeout",
                         help="seconds a step's collectives may wait for a silent rank before the job stops (default 600)")
     safety.add_argument("--max-restarts", type=int, dest="max_restarts",
@@ -101,13 +103,14 @@ def run(args) -> int:
                          export=args.export)
     import torch
 
+    profiler = None
     try:
-        with autopilot.memory_budget(plan):
+        with autopilot.memory_budget(plan) as profiler:
             train(plan, args.out, options)
     except torch.OutOfMemoryError as exc:
         rank = int(os.environ.get("RANK", "0"))
         if not args.autopilot:
-            raise supervise.oom_error(exc, rank) from None
+            return supervise.explain_oom(exc, profiler, plan, args.out, rank)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
         return autopilot.handle_oom(plan, args.out, exc, rank, len(decisions), device, step=supervise.next_step(args.out))
     except RuntimeError as exc:

@@ -54,7 +54,7 @@ def emit_deepspeed(plan: Plan, options: EmitOptions) -> Emitted:
         notes.append(f"{plan.training.optimizer} is not a DeepSpeed optimizer: build it in the script and pass "
                      "it to deepspeed.initialize(optimizer=...)")
     if plan.training.activation_checkpointing != "none":
-        notes.append("activation checkpointing is set in the model code (e.g. model.gradient_checkpointing_enable("
-                     "gradient_checkpointing_kwargs={'use_reentrant': False}) and model.config.use_cache = False), "
-                     "not in this JSON")
+        notes.append("activation checkpointing is set in the model code (e.g. model.activation_checkpointing_enable("
+                     "activation_checkpointing_kwargs={'use_reentrant': False}), gradient_checkpointing_enable before "
+                     "transformers 5, and model.config.use_cache = False), not in this JSON")
     return Emitted(files={"ds_config.json": json.dumps(config, indent=2) + "\n"}, notes=tuple(notes))

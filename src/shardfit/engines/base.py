@@ -124,7 +124,13 @@ def apply_lora(plan: Plan, model):
         model = quantize_base(plan, model)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    import warnings
+
+    with warnings.catch_warnings():
+        # peft reads transformers' `is_gradient_checkpointing`, deprecated in transformers 5 (its
+        # successor: is_activation_checkpointing); a notice about peft's internals, on every LoRA run.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.measure.oom import Diagnosis, format_diagnosis
 from shardfit.measure.report import fmt_bytes
 
 CPU_RANKS = 2
@@ -80,6 +82,8 @@ def verify(result, steps: int = 2, timeout: float = 900) -> Verification:
             tail = (done.stderr or "").strip().splitlines()[-3:]
             raise ShardfitError("--verify: the run failed before reporting: " + " | ".join(tail))
         measured = json.loads(out.read_text().splitlines()[0])
+    if measured.get("error") == "oom" and measured.get("diagnosis"):
+        print(format_diagnosis(Diagnosis.from_dict(measured["diagnosis"])), file=sys.stderr)
     if measured.get("error"):
         raise ShardfitError(f"--verify: the run failed: {measured['error']}")
     peak = (measured.get("comparison") or {}).get("peak") or {}

@@ -21,6 +21,7 @@ import sys
 
 from shardfit.errors import ShardfitError
 from shardfit.estimate.result import PHASES
+from shardfit.spec.sizes import parse_size
 
 
 class _PhaseSwitch:
@@ -52,6 +53,15 @@ class NullProfiler:
 
     def record_oom(self, exc=None):
         return None
+
+
+_ACTIVE: list = []  # profilers entered and not yet left, innermost last
+
+
+def active_profiler():
+    """The innermost profiler now measuring in this process, or None (how a training loop finds the
+    memory budget's accounting without being handed it)."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 class Profiler:
@@ -102,11 +112,14 @@ class Profiler:
             self._attach_model(model)
         for optimizer in self._optimizers:
             self._attach_optimizer(optimizer)
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
         import torch
 
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if exc is not None and isinstance(exc, torch.OutOfMemoryError):
             self.record_oom(exc)
         self._accountant.end_phase()
@@ -151,6 +164,16 @@ class Profiler:
             raise ShardfitError(f"unknown phase '{name}': use one of {', '.join(PHASES)}")
         self._switch(name)
         return _PhaseSwitch()
+
+    @property
+    def tensor_peak_bytes(self) -> int:
+        """The highest live tracked tensor bytes so far (what the memory budget is compared with)."""
+        return self._accountant.run_peak_bytes if self._accountant else 0
+
+    @property
+    def step(self) -> int:
+        """Steps begun so far (a step begins at its first forward)."""
+        return self._step
 
     @property
     def current_phase(self) -> str:
@@ -341,7 +364,7 @@ def profile(model=None, optimizer=None, *, plan=None, budget_bytes: int | None =
     if not enabled:
         return NullProfiler()
     if budget_bytes is None and os.environ.get("SHARDFIT_MEMORY_BUDGET"):
-        budget_bytes = int(float(os.environ["SHARDFIT_MEMORY_BUDGET"]))
+        budget_bytes = parse_size(os.environ["SHARDFIT_MEMORY_BUDGET"], "B", "SHARDFIT_MEMORY_BUDGET")
     if budget_bytes is not None and budget_bytes <= 0:
         raise ShardfitError(f"memory budget must be a positive number of bytes, got {budget_bytes}")
     return Profiler(model, optimizer, plan=plan, budget_bytes=budget_bytes, snapshot_path=snapshot_path,

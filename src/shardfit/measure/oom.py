@@ -2,7 +2,10 @@
 smallest changes that fit according to the estimator (`estimate(plan.with_changes(...))`)."""
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from shardfit.estimate.result import CATEGORIES
 from shardfit.measure.report import fmt_bytes
@@ -17,11 +20,15 @@ class Fix:
     peak_bytes: int
     delta_bytes: int
     fits: bool
+    flags: str = ""  # the same change as command-line flags of train / profile
+    fields: str = ""  # ... and as plan fields
 
     def line(self) -> str:
         sign = "−" if self.delta_bytes < 0 else "+"
         verdict = "fits" if self.fits else "still too big"
-        return f"{self.change}: {sign}{fmt_bytes(abs(self.delta_bytes))}, {verdict} (peak {fmt_bytes(self.peak_bytes)})"
+        how = f" [{self.flags} | plan: {self.fields}]" if self.flags else ""
+        return (f"{self.change}: {sign}{fmt_bytes(abs(self.delta_bytes))}, {verdict} (peak {fmt_bytes(self.peak_bytes)})"
+                + how)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +52,17 @@ class Diagnosis:
                 "cause": self.cause, "fixes": [f.__dict__ for f in self.fixes], "notes": list(self.notes),
                 "snapshot": self.snapshot}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "Diagnosis":
+        data = dict(data)
+        data["fixes"] = tuple(Fix(**f) for f in data.get("fixes", ()))
+        data["notes"] = tuple(data.get("notes", ()))
+        return cls(**data)
+
+    @property
+    def live_total(self) -> int:
+        return sum(self.live.values())
+
 
 def _cause(phase: str, step: int, live: dict, dominant: str, strategy, cuda: dict) -> str:
     """`dominant` here is what grew most during the phase (or the largest term if unknown)."""
@@ -55,7 +73,7 @@ def _cause(phase: str, step: int, live: dict, dominant: str, strategy, cuda: dic
     states = live.get("params", 0) + live.get("grads", 0) + live.get("optimizer", 0)
     if phase == "load" or (phase == "optimizer" and step <= 1) or (
             dominant in ("params", "optimizer", "grads") and phase != "forward"):
-        return (f"parameters + optimizer states ({fmt_bytes(states)}) don't fit at {phase}: "
+        return (f"parameters + optimizer states{_size(states)} don't fit at {phase}: "
                 "shard them (ZeRO / FSDP) or offload the optimizer")
     if phase == "checkpoint":
         return "saving gathers a full copy of the model: save sharded checkpoints (DCP / DeepSpeed) instead"
@@ -63,11 +81,15 @@ def _cause(phase: str, step: int, live: dict, dominant: str, strategy, cuda: dic
     if dominant == "temporaries" and (shards or phase == "forward"):
         return ("a gathered unit is too large under FSDP/ZeRO-3: wrap smaller units or lower the prefetch / "
                 "live-parameter limits" if shards else
-                f"temporaries ({fmt_bytes(live['temporaries'])}) dominate in {phase}: buckets or the logits/loss")
+                f"temporaries{_size(live['temporaries'])} dominate in {phase}: buckets or the logits/loss")
     if phase == "forward" or dominant == "activations":
-        return (f"activations ({fmt_bytes(live.get('activations', 0))}) grow with micro-batch × sequence length "
+        return (f"activations{_size(live.get('activations', 0))} grow with micro-batch × sequence length "
                 f"in {phase}: checkpoint activations or shorten the micro-batch")
-    return f"{dominant} dominate in {phase} ({fmt_bytes(live.get(dominant, 0))})"
+    return f"{dominant} dominate in {phase}{_size(live.get(dominant, 0))}"
+
+
+def _size(value: int) -> str:
+    return f" ({fmt_bytes(value)})" if value else ""  # 0: not tracked (an OOM outside the tracker)
 
 
 def candidate_changes(plan) -> list[tuple[str, dict]]:
@@ -95,7 +117,27 @@ def candidate_changes(plan) -> list[tuple[str, dict]]:
         out.append(("offload the optimizer to CPU", {"strategy": {"offload_optimizer": "cpu"}}))
     if s.kind in ("zero1", "zero2") and not s.offload_optimizer:
         out.append(("offload the optimizer to CPU", {"strategy": {"offload_optimizer": "cpu"}}))
+    if s.kind in ("fsdp", "fsdp2") and not s.offload_params:
+        out.append(("offload parameters, gradients and optimizer to CPU", {"strategy": {"offload_params": "cpu"}}))
     return out
+
+
+# plan field -> the flag `shardfit train` / `shardfit profile` takes for it
+_FLAGS = {"micro_batch": "--micro-batch", "grad_accum": "--grad-accum", "precision": "--precision",
+          "activation_checkpointing": "--ac", "seq_len": "--seq"}
+
+
+def how_to_apply(changes: dict, changed_plan) -> tuple[str, str]:
+    """(flags, plan fields) of one change: `--ac full`, `training.activation_checkpointing: full`."""
+    flags, fields = [], []
+    for section, values in changes.items():
+        for key, value in values.items():
+            fields.append(f"{section}.{key}: {value}")
+            if section == "training" and key in _FLAGS:
+                flags.append(f"{_FLAGS[key]} {value}")
+    if "strategy" in changes:
+        flags.append(f"--strategy {changed_plan.strategy.label}")
+    return " ".join(flags), ", ".join(fields)
 
 
 def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -> tuple[list[Fix], list[str]]:
@@ -122,7 +164,9 @@ def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -
         except ShardfitError as exc:
             notes.append(f"{label}: not possible ({exc})")
             continue
-        fixes.append(Fix(change=label, peak_bytes=new, delta_bytes=new - base, fits=new <= limit_bytes))
+        flags, fields = how_to_apply(changes, changed)
+        fixes.append(Fix(change=label, peak_bytes=new, delta_bytes=new - base, fits=new <= limit_bytes, flags=flags,
+                         fields=fields))
     fitting = [f for f in fixes if f.fits]
     shown = fitting[:max_fixes] if fitting else sorted(fixes, key=lambda f: f.peak_bytes)[:2]
     if not fitting:
@@ -139,6 +183,8 @@ def diagnose(report, plan=None) -> Diagnosis | None:
     dominant = max(CATEGORIES, key=lambda c: live[c])
     grown = oom.get("grown") or {}
     growing = max(CATEGORIES, key=lambda c: grown.get(c, 0)) if any(v > 0 for v in grown.values()) else dominant
+    if oom.get("untracked"):  # no categories: what usually grows in that phase
+        growing = {"load": "params", "optimizer": "optimizer", "checkpoint": "temporaries"}.get(oom["phase"], "activations")
     limit = oom.get("budget")
     cuda = oom.get("cuda") or {}
     on_device = bool(cuda)
@@ -165,11 +211,16 @@ def format_diagnosis(diagnosis: Diagnosis | None) -> str:
         return "no out-of-memory error was recorded"
     d = diagnosis
     live_total = sum(d.live.values())
-    lines = [f"OUT OF MEMORY on rank {d.rank} in {d.phase} (step {d.step}): {fmt_bytes(live_total)} live"
-             + (f" of {fmt_bytes(d.limit_bytes)}" if d.limit_bytes else ""),
-             f"  largest: {d.dominant} {fmt_bytes(d.dominant_bytes)}; grew most in {d.phase}: {d.growing} ("
-             + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in d.live.items() if v) + ")",
-             f"  likely cause: {d.cause}"]
+    if live_total:
+        lines = [f"OUT OF MEMORY on rank {d.rank} in {d.phase} (step {d.step}): {fmt_bytes(live_total)} live"
+                 + (f" of {fmt_bytes(d.limit_bytes)}" if d.limit_bytes else ""),
+                 f"  largest: {d.dominant} {fmt_bytes(d.dominant_bytes)}; grew most in {d.phase}: {d.growing} ("
+                 + ", ".join(f"{c} {fmt_bytes(v)}" for c, v in d.live.items() if v) + ")"]
+    else:
+        lines = [f"OUT OF MEMORY on rank {d.rank} in {d.phase} (step {d.step})"
+                 + (f" of {fmt_bytes(d.limit_bytes)}" if d.limit_bytes else ""),
+                 "  by category: not tracked in this run (rehearse it with --memory-budget SIZE to see what grew)"]
+    lines.append(f"  likely cause: {d.cause}")
     if d.fixes:
         lines.append("  smallest changes (estimator):")
         lines += [f"    - {fix.line()}" for fix in d.fixes]
@@ -177,3 +228,89 @@ def format_diagnosis(diagnosis: Diagnosis | None) -> str:
     if d.snapshot:
         lines.append(f"  memory snapshot: {d.snapshot} (open at https://pytorch.org/memory_viz)")
     return "\n".join(lines)
+
+
+def worst_rank_diagnosis(reports, plan=None) -> Diagnosis | None:
+    """The diagnosis of the rank that ran out with the most bytes live (what must shrink to fit);
+    None when no rank ran out. `reports`: RankReports (a GatheredReport's ranks)."""
+    struck = [r for r in reports if getattr(r, "oom", None)]
+    if not struck:
+        return None
+    worst = max(struck, key=lambda r: (sum(int(v) for v in (r.oom.get("breakdown") or {}).values()), -r.rank))
+    return diagnose(worst, plan)
+
+
+OOM_FOLDER = "oom"
+DIAGNOSIS_FILE = "oom-diagnosis.txt"
+
+
+def write_rank_diagnosis(diagnosis: Diagnosis, run_dir) -> Path:
+    """RUN/oom/rank-N.json: each rank that ran out writes its own (no collective is safe after an OOM);
+    `collect_run_diagnosis` picks the worst once the job has ended."""
+    folder = Path(run_dir) / OOM_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank-{diagnosis.rank}.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(diagnosis.to_dict(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def collect_run_diagnosis(run_dir, since: float = 0.0) -> tuple[Diagnosis, Path] | None:
+    """The worst rank's diagnosis among those written at or after `since` (this job, not an older
+    one in the same folder), also written as RUN/oom-diagnosis.txt; None if no rank wrote one."""
+    folder = Path(run_dir) / OOM_FOLDER
+    found = []
+    for path in sorted(folder.glob("rank-*.json")) if folder.is_dir() else ():
+        try:
+            if path.stat().st_mtime >= since:
+                found.append(Diagnosis.from_dict(json.loads(path.read_text())))
+        except (OSError, ValueError, TypeError):
+            continue  # a rank killed while writing: the others still tell
+    if not found:
+        return None
+    worst = max(found, key=lambda d: (d.live_total, -d.rank))
+    text = format_diagnosis(worst)
+    if len(found) > 1:
+        text += f"\n  ({len(found)} ranks ran out; shown: the one with the most memory live, rank {worst.rank})"
+    target = Path(run_dir) / DIAGNOSIS_FILE
+    target.write_text(text + "\n")
+    return worst, text, target
+
+
+# function name in a traceback -> the phase it runs (an OOM outside the tracker: a real GPU without
+# --memory-budget, where tracking every op would cost too much to leave on)
+_PHASE_FRAMES = (("save_checkpoint", "checkpoint"), ("_engine_run_backward", "backward"), ("run_backward", "backward"),
+                 ("backward", "backward"), ("step", "optimizer"), ("forward_backward", "forward"),
+                 ("setup", "load"), ("build_model", "load"))
+
+
+def phase_from_traceback(exc) -> str:
+    """The phase an exception struck in, read from the innermost frame whose function names one."""
+    names = []
+    tb = getattr(exc, "__traceback__", None)
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    for name in reversed(names):
+        for frame, phase in _PHASE_FRAMES:
+            if name == frame:
+                return phase
+    return "forward"
+
+
+def untracked_oom(exc, step: int = 0) -> dict:
+    """A RankReport-style `oom` record for an OOM the tracker did not see: the phase from the
+    traceback, the CUDA allocator's figures, no category breakdown."""
+    info = {"phase": phase_from_traceback(exc), "step": step, "breakdown": {}, "untracked": True,
+            "message": str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            from shardfit.measure.cuda import cuda_stats
+
+            info["cuda"] = cuda_stats()
+    except Exception:  # noqa: BLE001 - a broken CUDA context still deserves the rest of the diagnosis
+        pass
+    return info

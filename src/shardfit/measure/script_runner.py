@@ -5,15 +5,52 @@ first top-level forward, the optimizer at its first step) and write this rank's 
 
 Each rank writes OUTDIR/rank{RANK}.json when the script ends, even if it raised (an OOM included),
 so the reports survive a script that destroys its process group; `shardfit profile --script`
-gathers the files.
+gathers the files. A failing script's own words travel with its report: the exit code, the phase
+and step it reached, and the tail of what it wrote to stderr (its traceback included).
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import runpy
 import sys
+import traceback
 from pathlib import Path
+
+TAIL_LINES = 12
+
+
+class _StderrTail:
+    """sys.stderr as the script sees it: everything still goes to the real stderr; the last lines
+    are kept for the report."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._lines = collections.deque(maxlen=TAIL_LINES)
+        self._partial = ""
+
+    def write(self, text):
+        self._stream.write(text)
+        self._partial += text
+        *done, self._partial = self._partial.split("\n")
+        self._lines.extend(line for line in done if line.strip())
+        return len(text)
+
+    def tail(self) -> list[str]:
+        return list(self._lines) + ([self._partial] if self._partial.strip() else [])
+
+    def __getattr__(self, name):  # flush, fileno, isatty, encoding...
+        return getattr(self._stream, name)
+
+
+def _print_script_traceback(exc, script: str) -> None:
+    """The traceback as Python would print it for `python script.py`: from the script's own frame
+    on, without this runner's and runpy's frames above it."""
+    tb, target = exc.__traceback__, str(Path(script).resolve())
+    while tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()) != target:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
 def main(argv=None) -> int:
@@ -23,19 +60,28 @@ def main(argv=None) -> int:
 
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
-    prof = shardfit.profile(explain_oom=True, label=Path(script).name)
+    # explain_oom=False: `shardfit profile --script` explains the worst rank's OOM once, not every rank.
+    prof = shardfit.profile(explain_oom=False, label=Path(script).name)
+    tail = _StderrTail(sys.stderr)
+    sys.stderr = tail
     code = 0
     try:
         with prof:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # sys.exit("message") prints it, as Python would
     except BaseException as exc:  # noqa: BLE001 - report what was measured, then fail like the script
-        print(f"shardfit profile: the script raised {type(exc).__name__}: {exc}", file=sys.stderr)
+        _print_script_traceback(exc, script)
         code = 1
-    report = prof.report()
+    finally:
+        sys.stderr = tail._stream
+    report = prof.report().to_dict()
+    report["script"] = {"exit_code": code, "phase": prof.current_phase, "step": prof.step,
+                        "stderr_tail": tail.tail() if code else []}
     rank = int(os.environ.get("RANK", "0"))
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report.to_dict()))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
     return code
 
 

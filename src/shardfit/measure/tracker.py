@@ -103,7 +103,8 @@ class Accountant(TorchDispatchMode):
         self._phase_default = "temporaries"
         self._dead: list[_Record] = []
         self._peak_t = 0
-        self._peak_total = 0
+        self._peak_total = 0  # this phase's
+        self.run_peak_bytes = 0  # the highest live tracked bytes since the tracker started
         self._scanned_peak = 0
         self._scan_pending = False
         self._current: PhaseStats | None = None
@@ -206,6 +207,7 @@ class Accountant(TorchDispatchMode):
             raise BudgetExceeded(
                 f"shardfit memory budget exceeded in {self._phase}: tried to allocate {grown} bytes with "
                 f"{live - grown} live of a {self.budget_bytes}-byte budget")
+        self.run_peak_bytes = max(self.run_peak_bytes, live)
         if live > self._peak_total:
             self._peak_total = live
             self._peak_t = self._t

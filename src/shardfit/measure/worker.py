@@ -95,10 +95,9 @@ def run_one(config: dict, ctx, previous: list) -> dict:
            "report": gathered.to_dict(), "estimate": estimate,
            "comparison": compare(gathered.phases, estimate["phases"]) if estimate else None}
     if error == "oom":
-        from shardfit.measure.oom import diagnose
+        from shardfit.measure.oom import worst_rank_diagnosis
 
-        first = next(r for r in gathered.ranks if r.oom)
-        diagnosis = diagnose(first, plan)
+        diagnosis = worst_rank_diagnosis(gathered.ranks, plan)
         out["diagnosis"] = diagnosis.to_dict() if diagnosis else None
     return out
 

@@ -3,10 +3,10 @@ sparsity); memory is what `torch.cuda.get_device_properties(...).total_memory` r
 which is a little under the marketed size. Link figures are per GPU and per direction."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.sizes import parse_gib
 
 GIB = 1024**3
 
@@ -66,23 +66,15 @@ def get_gpu(name: str) -> GPU:
     key = _ALIASES.get(key, key)
     if key in CATALOG:
         return CATALOG[key]
-    for prefix in ("custom:", "custom-"):
-        if key.startswith(prefix):
-            key = key[len(prefix):]
-    for suffix in ("gib", "gb", "g"):
-        if key.endswith(suffix):
-            key = key[: -len(suffix)]
-            break
-    try:
-        size = float(key)
-    except ValueError:
-        size = None
-    if size is not None:
-        if not math.isfinite(size):
-            raise ShardfitError(f"custom GPU memory must be a finite number of GiB, got {name}")
-        return custom_gpu(size)
+    raw = str(name).strip()
+    custom = raw[len("custom:"):] if key.startswith(("custom:", "custom-")) else None
+    text = custom if custom is not None else raw
+    if custom is not None or (text[:1].isdigit() or text[:1] == "."):
+        # 'g' alone was always GiB here; every other unit is what it says (GB = 10**9, GiB = 2**30).
+        text = text[:-1] if text.lower().endswith("g") else text
+        return custom_gpu(parse_gib(text, what="custom GPU memory"))
     known = ", ".join(gpu.name for gpu in _CATALOG)
-    raise ShardfitError(f"unknown GPU '{name}': use one of {known}, or a custom size such as 'custom:24' (GiB)")
+    raise ShardfitError(f"unknown GPU '{name}': use one of {known}, or a custom size such as 'custom:24' (GiB) or 'custom:80GB'")
 
 
 def split_gpus(total: int, nodes: int | None = None) -> tuple[int, int]:

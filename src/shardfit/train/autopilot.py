@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.sizes import parse_size
 
 EXIT_RETRY = 75  # EX_TEMPFAIL: "try again"
 DEFAULT_RESTARTS = 4
@@ -186,7 +187,7 @@ def budget_bytes() -> int | None:
     text = os.environ.get(BUDGET_ENV)
     if not text:
         return None
-    value = int(float(text))
+    value = parse_size(text, "B", BUDGET_ENV)
     if value <= 0:
         raise ShardfitError(f"{BUDGET_ENV} must be a positive number of bytes, got {text}")
     return value

@@ -10,6 +10,7 @@ import json
 import math
 import random
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from shardfit import engines
 from shardfit.data import DistributedBatches, collate, load_data
 from shardfit.engines.base import DistContext, init_distributed
 from shardfit.errors import ShardfitError
+from shardfit.measure.api import active_profiler
+from shardfit.measure.report import fmt_bytes
 from shardfit.train import checkpoint as ckpt
 from shardfit.train import faults
 from shardfit.train.watchdog import Watchdog
@@ -41,10 +44,21 @@ class RunOptions:
     quiet: bool = False
 
 
-def peak_memory_bytes(device) -> int:
+def peak_memory_bytes(device) -> tuple[int | None, int]:
+    """(tensor peak, process RSS peak). Tensors: the CUDA allocator's peak; on a CPU the memory
+    budget's own accounting (None without a budget: nothing counts tensors there). The RSS holds the
+    interpreter and libraries too (~0.4 GiB), so it is no tensor figure."""
+    rss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+        return int(torch.cuda.max_memory_allocated(device)), rss
+    profiler = active_profiler()
+    return (profiler.tensor_peak_bytes if profiler is not None else None), rss
+
+
+def stdout_is_terminal() -> bool:
+    """A live progress bar only on a terminal: in a log or a pipe its redraws become one repeated
+    line per update, interleaved with the log lines."""
+    return sys.stdout.isatty()
 
 
 def seed_everything(seed: int) -> None:
@@ -100,9 +114,11 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
     metrics_file = out / "metrics.jsonl"
     records: list[dict] = []
     bar = None
-    if ctx.is_main and options.progress and not options.quiet:
+    if ctx.is_main and options.progress and not options.quiet and stdout_is_terminal():
         from tqdm import tqdm
-        bar = tqdm(total=s.steps, initial=start, desc=f"train {engine.kind}", unit="step", leave=False)
+        # On stdout, with the log lines it makes room for: `shardfit train` relays its workers'
+        # stderr through a pipe, so a bar there would be redrawn out of order with them.
+        bar = tqdm(total=s.steps, initial=start, desc=f"train {engine.kind}", unit="step", leave=False, file=sys.stdout)
     window_tokens, window_start = 0, time.perf_counter()
     dog = Watchdog.for_context(ctx)
     for step in range(start, s.steps):
@@ -138,7 +154,9 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
         if (step + 1) % max(1, s.log_every) == 0 or step + 1 == s.steps:
             elapsed = time.perf_counter() - window_start
             record["tokens_per_s"] = window_tokens / elapsed if elapsed > 0 else 0.0
-            record["peak_mem_bytes"] = peak_memory_bytes(ctx.device)
+            tensors, record["rss_bytes"] = peak_memory_bytes(ctx.device)
+            if tensors is not None:
+                record["peak_mem_bytes"] = tensors
             window_tokens, window_start = 0, time.perf_counter()
             _say(ctx, options, _log_line(record, s.steps), bar)
         if s.eval_every and (step + 1) % s.eval_every == 0:
@@ -206,10 +224,12 @@ def _lr(engine) -> float:
 
 
 def _log_line(record: dict, total: int) -> str:
-    peak = record.get("peak_mem_bytes", 0) / 2**30
+    memory = f"rss {fmt_bytes(record.get('rss_bytes', 0))}"
+    if record.get("peak_mem_bytes") is not None:
+        memory = f"peak tensors {fmt_bytes(record['peak_mem_bytes'])} | " + memory
     return (f"step {record['step']}/{total} | loss {record['loss']:.4f} | lr {record.get('lr', 0):.2e} | "
             f"grad {record.get('grad_norm', float('nan')):.3f} | {record.get('tokens_per_s', 0):,.0f} tok/s | "
-            f"peak {peak:.2f} GiB" + (" | skipped" if record.get("skipped") else ""))
+            + memory + (" | skipped" if record.get("skipped") else ""))
 
 
 def _say(ctx, options, text, bar=None):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shardfit.errors import ShardfitError
 
+SUPERVISED_ENV = "SHARDFIT_SUPERVISED"  # set for workers whose supervisor prints the OOM diagnosis once
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
               "NCCL communicator was aborted")
 
@@ -81,13 +82,24 @@ def relaunch(worker_argv: list[str], args, restarts: int) -> int:
     command.insert(3, f"--max-restarts={restarts}")
     from shardfit.runtime_env import launch_env
 
+    import time
+
     env = launch_env()
     if os.environ.get("SHARDFIT_DEBUG"):
         return subprocess.call(command, env=env)
+    env[SUPERVISED_ENV] = "1"
+    started = time.time() - 1  # file times have a coarse grain on some file systems
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
     failures = filter_launcher(process.stderr, sys.stderr)
     code = process.wait()
-    if code != 0:
+    oom = _run_oom(args.out, started) if code != 0 else None
+    if oom is not None:
+        diagnosis, text, path = oom
+        print(text, file=sys.stderr)
+        print(f"shardfit: error: training stopped: out of memory on rank {diagnosis.rank} in {diagnosis.phase} "
+              f"(step {diagnosis.step}); this diagnosis is also in {path}: rerun with one of its changes, or with "
+              "--autopilot", file=sys.stderr, flush=True)
+    elif code != 0:
         if failures:  # the last one ended the job; earlier ones were recovered by restarts
             rank, status = failures[-1]
             what = f"rank {rank} " + (f"was killed (signal {-status})" if status < 0 else f"exited with code {status}")
@@ -129,6 +141,46 @@ def filter_launcher(lines, sink) -> list[tuple[int, int]]:
     if block:
         sink.writelines(block)
     return failures
+
+
+def _run_oom(out, since: float):
+    from shardfit.measure.oom import collect_run_diagnosis
+
+    try:
+        return collect_run_diagnosis(out, since)
+    except OSError:
+        return None
+
+
+def explain_oom(exc, profiler, plan, out, rank: int) -> int:
+    """A worker's out-of-memory error without --autopilot: the diagnosis `shardfit profile` gives
+    (phase, what grew by category, the smallest changes that fit, as flags and plan fields), written
+    to OUT/oom/rank-N.json. Under `shardfit train` the supervisor prints the worst rank's once;
+    a worker started by torchrun directly prints its own."""
+    from shardfit.measure.oom import diagnose, format_diagnosis, untracked_oom, write_rank_diagnosis
+    from shardfit.measure.report import RankReport
+
+    if profiler is not None and getattr(profiler, "oom", None):
+        report = profiler.report()
+    else:
+        step = next_step(out) or 0
+        report = RankReport(rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")), device="cuda",
+                            oom=untracked_oom(exc, step))
+    try:
+        diagnosis = diagnose(report, plan)
+    except ShardfitError:
+        diagnosis = None
+    if diagnosis is None:
+        raise oom_error(exc, rank)
+    try:
+        write_rank_diagnosis(diagnosis, out)
+    except OSError:
+        pass  # a full disk must not hide the diagnosis: it is printed below
+    else:
+        if os.environ.get(SUPERVISED_ENV):
+            return 2
+    print(format_diagnosis(diagnosis), file=sys.stderr, flush=True)
+    return 2
 
 
 def oom_error(exc, rank: int) -> ShardfitError:

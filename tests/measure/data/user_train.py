@@ -1,5 +1,6 @@
 """A user's own DDP training script, unaware of shardfit (profiled by `shardfit profile --script`)."""
 import argparse
+import sys
 
 import torch
 import torch.distributed as dist
@@ -8,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--width", type=int, default=256)
+parser.add_argument("--fail-at-step", type=int, default=None, help="raise after this step's backward (a broken script)")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -19,6 +21,9 @@ for step in range(args.steps):
     x = torch.randn(64, args.width)
     loss = model(x).pow(2).mean()
     loss.backward()
+    if step + 1 == args.fail_at_step:
+        print("checking the gradients", file=sys.stderr)
+        raise RuntimeError(f"gradient check failed at step {step + 1}")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 dist.destroy_process_group()
