@@ -1,7 +1,10 @@
 """Checkpoint cost: our crash-safe checkpoints (DCP + RNG + trainer state + an XXH3 manifest,
-verified on load) against raw DCP on the same state, and the host memory of consolidation.
+verified on load) against raw DCP on the same state, the host memory of consolidation, and the
+training step time while saving every N steps, blocking and asynchronous (save_mode async), against
+not saving at all.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--layers 8 --hidden 512 --repeats 3]
+                                                    [--steps 24 --save-every 8] [--only-steps]
 
 It starts itself under torchrun (2 ranks, gloo, FSDP2) for save/load, then runs `export`
 (consolidation into safetensors) in a fresh process and compares its peak RSS growth with the
@@ -131,6 +134,66 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def steps_worker(args) -> None:
+    """Every rank: the same training steps three times (no saving, a blocking save every N steps, an
+    asynchronous one), each save through the Saver the loop uses. Per regime: the wall time of all
+    steps including what the saves block, and the loop's per-step all-reduce of the writing flag."""
+    import torch
+    import torch.distributed as dist
+
+    from shardfit import engines
+    from shardfit.data import Position
+    from shardfit.engines.base import init_distributed
+    from shardfit.engines.dcp_io import close_async_writer
+    from shardfit.spec.models import load_model_spec
+    from shardfit.spec.plan import plan_from_dict
+    from shardfit.train.loop import build_model, settle_garbage_collector
+    from shardfit.train.saver import Saver
+
+    torch.set_num_threads(1)
+    ctx = init_distributed()
+    plan = plan_from_dict({"model": str(args.config), "strategy": {"kind": "fsdp2"},
+                           "training": {"micro_batch": 1, "seq_len": 64, "precision": "fp32"},
+                           "cluster": {"gpus_per_node": ctx.world_size}}, resolve_model=load_model_spec)
+    engine = engines.setup(plan, build_model(plan), ctx)
+    ids = torch.randint(0, 32000, (1, 64))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    settle_garbage_collector()
+    root = Path(args.dir)
+
+    def run(mode: str | None, steps: int, label: str) -> float:
+        saver = Saver(engine, root / label, keep=1, mode=mode or "sync")
+        dist.barrier()
+        start = time.perf_counter()
+        for step in range(1, steps + 1):
+            engine.forward_backward(batch, True)
+            flag = torch.tensor([float(saver.writing())], dtype=torch.float64)
+            dist.all_reduce(flag)  # the loop's loss all-reduce carries this; here it is on its own
+            engine.step()
+            if saver.pending is not None and float(flag) == 0:
+                saver.finish()
+            if mode is not None and step % args.save_every == 0:
+                saver.save(step, Position())
+        saver.finish()
+        dist.barrier()
+        return time.perf_counter() - start
+
+    run("async", args.save_every, "warm-up")  # starts the writer processes (spawned once per rank)
+    run(None, 2, "warm-up-steps")
+    times = {"none": [], "sync": [], "async": []}
+    for repeat in range(args.repeats):
+        order = ("none", "sync", "async") if repeat % 2 == 0 else ("async", "sync", "none")
+        for mode in order:
+            times[mode].append(run(None if mode == "none" else mode, args.steps, f"{mode}-{repeat}"))
+            if ctx.is_main:
+                shutil.rmtree(root / f"{mode}-{repeat}", ignore_errors=True)
+    close_async_writer()
+    if ctx.is_main:
+        Path(args.result).write_text(json.dumps({"times": times, "world_size": ctx.world_size}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def export_probe(args) -> None:
     """A fresh process: consolidate, report peak RSS growth (KiB on Linux) over the imports."""
     import safetensors.torch  # noqa: F401 - imports are not consolidation: load them before the baseline
@@ -162,7 +225,11 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--shard-mb", type=float, default=32.0, help="export shard size (MiB)")
+    parser.add_argument("--steps", type=int, default=24, help="training steps per step-time regime")
+    parser.add_argument("--save-every", type=int, default=8, dest="save_every")
+    parser.add_argument("--only-steps", action="store_true", help="only the step-time comparison")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--steps-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--export-probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -174,6 +241,9 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.steps_worker:
+        steps_worker(args)
+        return 0
     if args.export_probe:
         export_probe(args)
         return 0
@@ -181,6 +251,10 @@ def main() -> int:
     import torch
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    steps = step_times(args, env)
+    if args.only_steps:
+        print(steps)
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
         tmp = Path(tmp)
         (tmp / "config").mkdir()
@@ -223,7 +297,32 @@ def main() -> int:
     print(f"\nConsolidation (`shardfit export`, {exported / 2**20:.0f} MiB of safetensors in {args.shard_mb:g} MiB "
           f"shards): peak RSS growth {growth / 2**20:.0f} MiB; largest tensor {largest / 2**20:.0f} MiB + one shard "
           f"{shard_bytes / 2**20:.0f} MiB = {bound / 2**20:.0f} MiB; ratio {growth / bound:.2f}")
+    print("\n" + steps)
     return 0
+
+
+def step_times(args, env) -> str:
+    """The step-time comparison as a markdown table (its own torchrun job)."""
+    with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "config").mkdir()
+        (tmp / "config" / "config.json").write_text(json.dumps(_config(args.layers, args.hidden)))
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", __file__,
+                        "--steps-worker", "--config", str(tmp / "config"), "--dir", str(tmp / "ckpt"),
+                        "--result", str(tmp / "steps.json"), "--repeats", str(args.repeats), "--steps",
+                        str(args.steps), "--save-every", str(args.save_every)], check=True, env=env, cwd=REPO)
+        result = json.loads((tmp / "steps.json").read_text())
+    times = result["times"]
+    best = {k: min(v) / args.steps for k, v in times.items()}
+    median = {k: statistics.median(v) / args.steps for k, v in times.items()}
+    lines = [f"Step time while saving every {args.save_every} steps ({args.steps} steps per run, FSDP2, "
+             f"{result['world_size']} ranks, best and median of {args.repeats}); ratio = step time without saving / "
+             "with (1.00: saving costs nothing):\n",
+             "| saving | step, best | step, median | ratio, best | ratio, medians |", "|---|---|---|---|---|"]
+    for mode, label in (("none", "none"), ("sync", "blocking (save_mode sync)"), ("async", "asynchronous (save_mode async)")):
+        lines.append(f"| {label} | {best[mode] * 1e3:.0f} ms | {median[mode] * 1e3:.0f} ms | "
+                     f"{best['none'] / best[mode]:.2f} | {median['none'] / median[mode]:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -71,10 +71,15 @@ class ChecksumWriter:
         self.size = 0
         self.digest = xxhash.xxh3_128()
         self.in_order = raw.tell() == 0
+        self.error: OSError | None = None  # the first write error (a serializer may turn it into another)
 
     def write(self, data) -> int:
         if not self.in_order:
-            return self.raw.write(data)
+            try:
+                return self.raw.write(data)
+            except OSError as exc:
+                self.error = self.error or exc
+                raise
         try:
             view = memoryview(data).cast("B")
         except (TypeError, ValueError):  # not a contiguous buffer: hash the file afterwards instead
@@ -85,7 +90,11 @@ class ChecksumWriter:
         for start in range(0, view.nbytes, _PIECE):
             piece = view[start:start + _PIECE]
             self.digest.update(piece)
-            written = self.raw.write(piece)
+            try:
+                written = self.raw.write(piece)
+            except OSError as exc:
+                self.error = self.error or exc
+                raise
             if written is not None and written != piece.nbytes:  # a short write: bytes and hash part ways
                 self.in_order = False
                 return start + written

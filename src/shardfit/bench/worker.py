@@ -236,7 +236,7 @@ def _save_with_reference(args, plan, ctx, engine, batches, total: int) -> dict:
 
     from shardfit.bench.probe import fingerprint
     from shardfit.data.sampler import Position
-    from shardfit.train.checkpoint import save_checkpoint
+    from shardfit.train.saver import save_checkpoint
 
     world = ctx.world_size
     root = Path(args.ckpt)

@@ -36,6 +36,10 @@ def add_arguments(parser) -> None:
     group.add_argument("--save-every", type=int, dest="save_every")
     group.add_argument("--keep", type=int, help="checkpoints to keep")
     group.add_argument("--nan-policy", choices=("stop", "skip"), dest="nan_policy")
+    group.add_argument("--save-mode", choices=("sync", "async"), dest="save_mode",
+                       help="async: checkpoints are written by DCP's writer process while training goes on")
+    group.add_argument("--on-save-error", choices=("stop", "continue"), dest="on_save_error",
+                       help="a save that fails (disk full, I/O error): stop the run (default) or train on")
     run = parser.add_argument_group("run")
     run.add_argument("--out", default="shardfit-run", help="output folder: metrics.jsonl, checkpoints/ (default: shardfit-run)")
     run.add_argument("--resume", help="'latest', 'latest-valid' (skip damaged checkpoints), 'auto' (latest-valid or a "
@@ -51,6 +55,9 @@ def add_arguments(parser) -> None:
                              "torch.OutOfMemoryError is raised (rehearse a GPU on CPU)")
     safety.add_argument("--collective-timeout", type=float, dest="collective_timeout",
                         help="seconds a step's collectives may wait for a silent rank before the job stops (default 600)")
+    safety.add_argument("--stop-signals", dest="stop_signals",
+                        help="signals that stop the run after the current step with a checkpoint, exit 75 "
+                             "(default SIGTERM,SIGUSR1; 'none' to leave them alone)")
     safety.add_argument("--max-restarts", type=int, dest="max_restarts",
                         help="torchrun restarts after a failure; each resumes from the newest intact checkpoint "
                              "(default 0, 4 with --autopilot)")
@@ -83,7 +90,7 @@ def run(args) -> int:
         # Library deprecation notices (torch collectives called by DeepSpeed, transformers renames)
         # repeat on every rank and say nothing a user of `shardfit train` can act on.
         warnings.filterwarnings("ignore", category=FutureWarning)
-    from shardfit.train import autopilot
+    from shardfit.train import autopilot, preempt
     from shardfit.train.loop import DEFAULT_PROMPT, RunOptions, train
 
     supervise.export_env(args)
@@ -104,9 +111,14 @@ def run(args) -> int:
     import torch
 
     profiler = None
+    code = 0
     try:
         with autopilot.memory_budget(plan) as profiler:
             train(plan, args.out, options)
+    except preempt.Preempted as exc:
+        if os.environ.get("RANK", "0") == "0" and not os.environ.get("SHARDFIT_SUPERVISED"):
+            print(f"shardfit: {exc}", file=sys.stderr, flush=True)  # under plain torchrun (SLURM): say it here
+        code = preempt.PREEMPTED_EXIT
     except torch.OutOfMemoryError as exc:
         rank = int(os.environ.get("RANK", "0"))
         if not args.autopilot:
@@ -128,7 +140,7 @@ def run(args) -> int:
     # after a run that succeeded. Everything this process wrote is closed by now.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 _LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")

@@ -67,17 +67,46 @@ def emit_deepspeed_launcher(plan: Plan, options: EmitOptions) -> Emitted:
     return Emitted(files={"run_deepspeed.sh": "\n".join(script) + "\n", "hostfile": hostfile}, notes=tuple(notes))
 
 
+# SLURM warns the batch shell this long before the time limit (or a preemption with GraceTime); the
+# trap hands the signal to the ranks, which finish the step, save and exit 75, then the job requeues.
+PREEMPT_WARNING_S = 180
+STOP_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torchrun passes these on to the ranks
+
+
+def preemption_lines() -> tuple[list[str], list[str]]:
+    """(#SBATCH lines, the shell lines that run `srun ...` in the background with a USR1 trap)."""
+    head = [f"#SBATCH --signal=B:USR1@{PREEMPT_WARNING_S}  # warn the batch shell before the time limit",
+            "#SBATCH --requeue  # a requeued job resumes from its stop checkpoint (--resume auto)"]
+    trap = ['stopping=0', 'job=""',
+            "# srun passes USR1 on to the training processes: each rank finishes its step, saves, exits 75",
+            "trap 'stopping=1; kill -USR1 \"$job\" 2>/dev/null' USR1"]
+    tail = ['job=$!',
+            'set +e',
+            'wait "$job"; code=$?',
+            'while kill -0 "$job" 2>/dev/null; do wait "$job"; code=$?; done  # a trapped signal ends `wait` early',
+            'set -e',
+            'if [ "$stopping" = 1 ] || [ "$code" = 75 ]; then scontrol requeue "$SLURM_JOB_ID"; exit 0; fi',
+            'exit "$code"']
+    return head, trap + ["__RUN__ &"] + tail
+
+
+def _resumable(options: EmitOptions) -> str:
+    # A requeued job continues where it stopped: `--resume auto` is a fresh start when there is nothing.
+    return launch_entry(options) + ("" if options.entry else " --resume auto")
+
+
 def emit_slurm(plan: Plan, options: EmitOptions) -> Emitted:
     c = plan.cluster
     cpus = max(4 * c.gpus_per_node, 8)
+    head, body = preemption_lines()
     if plan.strategy.kind == "single":
         # One GPU, one process: no rendezvous, and no --exclusive (the rest of the node stays shared).
         lines = ["#!/bin/bash", f"#SBATCH --job-name=shardfit-{plan.model.name}", "#SBATCH --nodes=1",
                  "#SBATCH --ntasks=1", "#SBATCH --gpus=1", f"#SBATCH --cpus-per-task={cpus}",
-                 f"#SBATCH --time={options.time_limit}", "#SBATCH --output=%x-%j.out", "set -euo pipefail",
+                 f"#SBATCH --time={options.time_limit}", "#SBATCH --output=%x-%j.out", *head, "set -euo pipefail",
                  f"# single (one device), micro-batch {plan.training.micro_batch} x accumulation "
                  f"{plan.training.grad_accum} = global batch {plan.global_batch}",
-                 f"export OMP_NUM_THREADS={cpus}", f"srun {python_command(options)}"]
+                 f"export OMP_NUM_THREADS={cpus}", *_run(body, f"srun python {_resumable(options)}")]
         return Emitted(files={"train.sbatch": "\n".join(lines) + "\n"})
     lines = [
         "#!/bin/bash",
@@ -89,14 +118,19 @@ def emit_slurm(plan: Plan, options: EmitOptions) -> Emitted:
         f"#SBATCH --time={options.time_limit}",
         "#SBATCH --exclusive",
         "#SBATCH --output=%x-%j.out",
+        *head,
         "set -euo pipefail",
         f"# {plan.strategy.label}, micro-batch {plan.training.micro_batch} x accumulation {plan.training.grad_accum} "
         f"x {c.world_size} GPUs = global batch {plan.global_batch}",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"MASTER_PORT={options.master_port}",
         f"export OMP_NUM_THREADS={max(cpus // c.gpus_per_node, 1)}",
-        f'srun --kill-on-bad-exit=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {c.gpus_per_node} '
-        f'--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" '
-        f"{launch_entry(options)}",
+        *_run(body, f'srun --kill-on-bad-exit=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {c.gpus_per_node} '
+                    f'--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$SLURM_JOB_ID" '
+                    f"--signals-to-handle {STOP_SIGNALS} {_resumable(options)}"),
     ]
     return Emitted(files={"train.sbatch": "\n".join(lines) + "\n"})
+
+
+def _run(body: list[str], command: str) -> list[str]:
+    return [command + " &" if line == "__RUN__ &" else line for line in body]

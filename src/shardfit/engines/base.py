@@ -63,6 +63,8 @@ class Engine:
     save(dir) / load(dir): sharded model + optimizer + scheduler (+ loss scaler) state. save may
         return {path: {"size", "xxh3_128"}} for the files this rank checksummed while writing them
         (the manifest hashes the rest from disk).
+    save_async(dir) -> Future: like save, but the state is staged (copied) first and written by
+        DCP's writer process while training goes on (None: the engine has no asynchronous save).
     inference(): context for forward passes outside training (eval mode, no grad, params gathered
         as the engine needs); every rank must run the same forwards inside it.
     full_state() -> iterator of (name, tensor): the consolidated model, one tensor at a time; every
@@ -84,6 +86,7 @@ class Engine:
     full_state: Callable
     extra_state: Callable = lambda: {}
     load_extra_state: Callable = lambda state: None
+    save_async: Callable | None = None
 
 
 def unwrap(model):

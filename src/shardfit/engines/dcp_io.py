@@ -25,6 +25,7 @@ class ChecksumFileSystem(FileSystem):
     def __init__(self):
         super().__init__()
         self.written: dict[Path, dict | None] = {}
+        self.errors: list[OSError] = []  # what the file system said, before torch's serializer hides it
         self._lock = threading.Lock()  # DCP may write files from several threads (thread_count > 1)
 
     @contextmanager
@@ -34,7 +35,12 @@ class ChecksumFileSystem(FileSystem):
                 yield raw
                 return
             stream = ChecksumWriter(raw)
-            yield stream
+            try:
+                yield stream
+            finally:
+                if stream.error is not None:
+                    with self._lock:
+                        self.errors.append(OSError(stream.error.errno, stream.error.strerror, str(path)))
         entry = stream.entry(Path(path))
         with self._lock:
             self.written[Path(path)] = entry
@@ -52,8 +58,84 @@ def save_with_checksums(state: dict, folder: Path, **save_options) -> dict[Path,
 
     writer = dcp.FileSystemWriter(str(folder))
     writer.fs = ChecksumFileSystem()
-    dcp.save(state, storage_writer=writer, **save_options)
+    try:
+        dcp.save(state, storage_writer=writer, **save_options)
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        # NOTE: DCP serialises tensors with torch.save into our stream; an OSError from the write
+        # (ENOSPC, EIO) comes out of it as a RuntimeError ("unexpected pos ..."), without errno or path.
+        if writer.fs.errors and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise writer.fs.errors[0] from exc
+        raise
     return {path: entry for path, entry in writer.fs.written.items() if entry is not None}
+
+
+_STAGER = None  # one per process: its staging buffers are reused by every asynchronous save
+
+
+def async_save_state(state: dict, folder: Path):
+    """dcp.async_save(state) into folder, process-based: the state is copied into staging buffers
+    in shared memory (pinned where there is a GPU) before this returns, so training may change the
+    live tensors at once; a writer process per rank (its own gloo group, started by the first call)
+    writes the files. Returns the Future of the write. NOTE: the writer process keeps no checksums
+    for us (ChecksumFileSystem's table would stay in that process): the manifest hashes the shards
+    from disk when the write is done."""
+    global _STAGER
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    if _STAGER is None:
+        _quiet_writer()
+        _STAGER = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=True,
+                                               use_async_staging=False, use_non_blocking_copy=False))
+    return dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(folder)),
+                          async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=_STAGER)
+
+
+def _writer_process(*args):
+    """The writer process's entry: DCP's own, with its INFO lines off (it logs every request on
+    the root logger, two lines per save per rank), ending quietly when its training process died
+    (a closed pipe). Runs in the fresh process, where DCP's class is unpatched."""
+    import logging
+
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    logging.disable(logging.INFO)
+    try:
+        executor._AsyncCheckpointProcess._checkpointing_subprocess(*args)
+    except EOFError:  # the training process is gone (killed): nothing left to write for
+        pass
+
+
+def _quiet_writer() -> None:
+    # NOTE: DCP starts its writer with `target=self._checkpointing_subprocess`; a module-level
+    # function pickles by name, so the spawned process imports this module and runs it.
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    executor._AsyncCheckpointProcess._checkpointing_subprocess = staticmethod(_writer_process)
+
+
+def close_async_writer() -> None:
+    """End this process's DCP writer process (if one was started) and free the staging buffers.
+    NOTE: DCP ends its writer only from a finalizer, which a worker leaving through os._exit never
+    runs; the orphan then dies on a closed pipe with a traceback. Asked to stop, it leaves quietly."""
+    global _STAGER
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    writer = executor._CHECKPOINT_PROCESS
+    if writer is not None:
+        executor._CHECKPOINT_PROCESS = None
+        try:
+            writer._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+            writer._save_process.join(timeout=30)
+        except (OSError, ValueError):  # its pipe is already closed: it is gone
+            pass
+        if writer._save_process.is_alive():
+            writer._save_process.terminate()
+    if _STAGER is not None:
+        _STAGER.close()
+        _STAGER = None
 
 
 # What a DCP `.metadata` pickle may name: DCP's own metadata records, torch sizes, dtypes and

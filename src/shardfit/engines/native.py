@@ -58,6 +58,14 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
         msd, osd = get_state_dict(model, optimizer, options=dcp_options)
         return save_with_checksums({"model": msd, "optim": osd}, Path(directory) / "dcp")
 
+    def save_async(directory: Path):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from shardfit.engines.dcp_io import async_save_state
+
+        msd, osd = get_state_dict(model, optimizer, options=dcp_options)
+        return async_save_state({"model": msd, "optim": osd}, Path(directory) / "dcp")
+
     def load(directory: Path):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -94,7 +102,7 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     return Engine(kind=kind, plan=plan, ctx=ctx, model=model, module=module, optimizer=optimizer,
                   scheduler=scheduler, forward_backward=forward_backward, step=step, zero_grad=zero_grad,
                   save=save, load=load, inference=inference, full_state=full_state,
-                  extra_state=extra_state, load_extra_state=load_extra_state)
+                  extra_state=extra_state, load_extra_state=load_extra_state, save_async=save_async)
 
 
 @contextmanager

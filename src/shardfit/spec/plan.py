@@ -177,6 +177,8 @@ class Schedule:
     save_every: int = 0
     keep_checkpoints: int = 2
     nan_policy: str = "stop"  # stop | skip
+    save_mode: str = "sync"  # sync | async (DCP async_save in a writer process; not DeepSpeed)
+    on_save_error: str = "stop"  # stop | continue: what a save that fails (disk full, I/O error) does to the run
 
 
 @dataclass(frozen=True, kw_only=True)

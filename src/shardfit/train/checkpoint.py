@@ -1,12 +1,14 @@
 """Resume checkpoints: OUT/checkpoints/step-K, each complete or absent.
 
-Every rank writes into `.tmp-step-K`; after a barrier rank 0 writes `manifest.json` (last) and
-renames the folder into place, so a crash mid-save never replaces the last good checkpoint. The
+Every rank writes into `.tmp-step-K`; once all ranks agree the writes succeeded, rank 0 writes
+`manifest.json` (last) and renames the folder into place, so a crash or a failed write mid-save
+never replaces the last good checkpoint (the save itself: train/saver.py). The
 folder holds the engine's sharded state (DCP or DeepSpeed), the scheduler / loss scaler, the step,
 the data position, every rank's RNG states, the Plan (YAML) and the model's HF config.
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -20,7 +22,6 @@ import torch.distributed as dist
 
 from shardfit.data import Position
 from shardfit.errors import ShardfitError
-from shardfit.train import faults
 from shardfit.train import manifest as integrity
 from shardfit.train.manifest import MANIFEST
 
@@ -81,36 +82,43 @@ def _plain(value):
     return value
 
 
-def save_checkpoint(engine, root: Path, step: int, position: Position, keep: int) -> Path:
+def write_trainer_files(engine, tmp: Path, step: int, position: Position) -> None:
+    """Everything but the engine's state: this rank's RNG; on rank 0 the trainer state, the plan, the
+    model config. Small, written synchronously even by an asynchronous save (the RNG of this step)."""
     ctx = engine.ctx
-    root = Path(root)
-    final, tmp = root / f"step-{step}", root / f".tmp-step-{step}"
+    _write(tmp / "rng" / f"rank-{ctx.rank}.pt", _torch_bytes(rng_state()))
     if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
-    dist.barrier()
-    written = engine.save(tmp)  # checksums of the shards this rank wrote, taken while writing them
-    torch.save(rng_state(), tmp / "rng" / f"rank-{ctx.rank}.pt")
-    faults.hit("save", step, ctx.rank)
-    if ctx.is_main:
-        torch.save({"step": step, "position": position.to_dict(), "engine": engine.extra_state()}, tmp / "trainer.pt")
-        (tmp / "plan.yaml").write_text(plan_yaml(engine.plan))
+        _write(tmp / "trainer.pt", _torch_bytes({"step": step, "position": position.to_dict(),
+                                                  "engine": engine.extra_state()}))
+        _write(tmp / "plan.yaml", plan_yaml(engine.plan).encode())
         config = getattr(engine.module, "config", None)
         if config is not None:
-            config.to_json_file(str(tmp / "config.json"))
-    dist.barrier()
-    manifest = {"step": step, "engine": engine.kind,
-                "format": "deepspeed" if engine.kind.startswith("zero") else "dcp",
-                "world_size": ctx.world_size, "position": position.to_dict(),
-                "lora": engine.plan.training.lora is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    write_manifest(tmp, manifest, known=written)  # the manifest is the last file written
-    if ctx.is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        prune(root, keep)
-    dist.barrier()
-    return final
+            _write(tmp / "config.json", config.to_json_string().encode())
+
+
+def _torch_bytes(obj) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getbuffer()
+
+
+def _write(path: Path, data) -> None:
+    """Small files through Python's own write: a full disk is an OSError naming the file (torch.save
+    to a path reports it as a RuntimeError without errno or name)."""
+    try:
+        with open(path, "wb") as handle:
+            handle.write(data)
+    except OSError as exc:
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
+        raise
+
+
+def manifest_fields(engine, step: int, position: Position) -> dict:
+    ctx = engine.ctx
+    return {"step": step, "engine": engine.kind, "format": "deepspeed" if engine.kind.startswith("zero") else "dcp",
+            "world_size": ctx.world_size, "position": position.to_dict(),
+            "lora": engine.plan.training.lora is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -120,10 +128,23 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def prune(root: Path, keep: int) -> None:
-    if keep and keep > 0:
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+def prune(root: Path, keep: int) -> list[Path]:
+    """Keep the newest `keep` checkpoints that are intact (sizes and checksums; checked once per
+    process, on this rank alone); delete older intact ones and damaged ones older than the oldest
+    kept. A damaged checkpoint never counts, so the newest intact one is never deleted for it.
+    Returns what was deleted."""
+    if not keep or keep <= 0:
+        return []
+    complete = list_checkpoints(root)
+    intact = [p for p in complete if integrity.intact_here(p)]
+    kept = intact[-keep:]
+    if not kept:
+        return []
+    oldest = int(kept[0].name[5:])
+    doomed = [p for p in complete if p not in kept and int(p.name[5:]) < oldest]
+    for old in doomed:
+        shutil.rmtree(old, ignore_errors=True)
+    return doomed
 
 
 def resolve_resume(ref: str, out_dir: Path, log=None, verify: bool = True) -> Path | None:

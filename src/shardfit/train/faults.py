@@ -5,18 +5,24 @@
                                                     written, the manifest not yet)
     SHARDFIT_TEST_HANG_AT="step:2:rank:1"           rank 1 sleeps forever in step 2
     SHARDFIT_TEST_OOM_AT="step:2:rank:0"            rank 0 raises torch.OutOfMemoryError in step 2
+    SHARDFIT_TEST_SIGNAL_AT="micro:3:rank:1"        rank 1 sends itself SIGTERM mid-step 3 (`:signal:10`
+                                                    for another signal number: a preemption)
+    SHARDFIT_TEST_IOERROR_AT="save:4:rank:1"        rank 1's step-4 save fails with ENOSPC (`:errno:30`
+                                                    for EROFS, 5 for EIO): the fallback of the full-disk tests
 
 Several points are separated by commas; `:attempt:N` fires only in torchrun's N-th (re)start
 (default 0, the first), so a restarted job runs clean. Unset variables cost one dict lookup.
 """
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import sys
 import time
 
-_VARS = {"kill": "SHARDFIT_TEST_KILL_AT", "hang": "SHARDFIT_TEST_HANG_AT", "oom": "SHARDFIT_TEST_OOM_AT"}
+_VARS = {"kill": "SHARDFIT_TEST_KILL_AT", "hang": "SHARDFIT_TEST_HANG_AT", "oom": "SHARDFIT_TEST_OOM_AT",
+         "signal": "SHARDFIT_TEST_SIGNAL_AT", "ioerror": "SHARDFIT_TEST_IOERROR_AT"}
 
 
 def _points(text: str) -> list[dict]:
@@ -34,8 +40,9 @@ def _attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def hit(where: str, at: int, rank: int) -> None:
-    """Call at each injection point; does nothing unless a test asked for a fault here."""
+def hit(where: str, at: int, rank: int, path=None) -> None:
+    """Call at each injection point; does nothing unless a test asked for a fault here. path: the
+    file an injected I/O error names."""
     for kind, var in _VARS.items():
         text = os.environ.get(var)
         if not text:
@@ -45,10 +52,10 @@ def hit(where: str, at: int, rank: int) -> None:
                 continue
             if point["rank"] is not None and point["rank"] != rank:
                 continue
-            _fire(kind, where, at, rank)
+            _fire(kind, where, at, rank, point, path)
 
 
-def _fire(kind: str, where: str, at: int, rank: int) -> None:
+def _fire(kind: str, where: str, at: int, rank: int, point: dict, path) -> None:
     print(f"[fault] rank {rank}: {kind} at {where} {at} (attempt {_attempt()})", file=sys.stderr, flush=True)
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -59,6 +66,11 @@ def _fire(kind: str, where: str, at: int, rank: int) -> None:
         import torch
 
         raise torch.OutOfMemoryError(f"injected out-of-memory at {where} {at} on rank {rank}")
+    elif kind == "signal":
+        os.kill(os.getpid(), point.get("signal", int(signal.SIGTERM)))
+    elif kind == "ioerror":
+        code = point.get("errno", errno.ENOSPC)
+        raise OSError(code, os.strerror(code), str(path) if path is not None else None)
 
 
 if os.environ.get("SHARDFIT_TEST_STACKS"):  # `kill -USR1 PID` prints every thread's stack (debugging a hang)

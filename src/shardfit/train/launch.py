@@ -106,7 +106,8 @@ def plan_data(args) -> dict:
                                ("lr", "schedule", "lr"), ("seed", "schedule", "seed"),
                                ("log_every", "schedule", "log_every"), ("eval_every", "schedule", "eval_every"),
                                ("save_every", "schedule", "save_every"), ("keep", "schedule", "keep_checkpoints"),
-                               ("nan_policy", "schedule", "nan_policy"), ("data", "data", "path"),
+                               ("nan_policy", "schedule", "nan_policy"), ("save_mode", "schedule", "save_mode"),
+                               ("on_save_error", "schedule", "on_save_error"), ("data", "data", "path"),
                                ("tokenizer", "data", "tokenizer")):
         value = getattr(args, flag, None)
         if value is not None:

@@ -22,11 +22,13 @@ import torch.distributed as dist
 from shardfit import engines
 from shardfit.data import DistributedBatches, collate, load_data
 from shardfit.engines.base import DistContext, init_distributed
+from shardfit.engines.dcp_io import close_async_writer
 from shardfit.errors import ShardfitError
 from shardfit.measure.api import active_profiler
 from shardfit.measure.report import fmt_bytes
 from shardfit.train import checkpoint as ckpt
-from shardfit.train import faults
+from shardfit.train import faults, preempt, runlock
+from shardfit.train.saver import Saver
 from shardfit.train.watchdog import Watchdog
 from shardfit.train.generate import engine_generate
 
@@ -94,6 +96,17 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
         raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
+    with runlock.held(out, ctx.is_main):  # one writer per run folder
+        try:
+            return _train(plan, out, options, ctx, model)
+        finally:
+            if plan.schedule.save_mode == "async":
+                close_async_writer()
+
+
+def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> list[dict]:
+    s, t = plan.schedule, plan.training
+    stop = preempt.StopRequest.install()  # before the slow set-up: a signal during it stops at step 1
     model = model if model is not None else build_model(plan)
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     tokenizer, data = load_data(plan.data.path, plan.data.tokenizer, t.seq_len, vocab)
@@ -110,10 +123,15 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
         start, position = ckpt.load_checkpoint(engine, path)
         batches = DistributedBatches(lengths, t.micro_batch, ctx.rank, ctx.world_size, s.seed, position=position)
         _say(ctx, options, f"resumed from {path} at step {start}")
+    if ctx.is_main:
+        preempt.clear_marker(out)
+    saver = Saver(engine, out / "checkpoints", s.keep_checkpoints, s.save_mode, s.on_save_error,
+                  log=lambda text: _say(ctx, options, text, bar))
+    slots = preempt.StepSlots(stop, saver)
 
     metrics_file = out / "metrics.jsonl"
     records: list[dict] = []
-    bar = None
+    bar = None  # the saver's log reads it when it is set
     if ctx.is_main and options.progress and not options.quiet and stdout_is_terminal():
         from tqdm import tqdm
         # On stdout, with the log lines it makes room for: `shardfit train` relays its workers'
@@ -123,7 +141,7 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
     dog = Watchdog.for_context(ctx)
     for step in range(start, s.steps):
         step_start = time.perf_counter()
-        local = torch.zeros(2, dtype=torch.float64)
+        local = torch.zeros(2 + slots.COUNT, dtype=torch.float64)
         for micro in range(t.grad_accum):
             batch = collate([data.train[i] for i in batches.next()], data.pad_id)
             faults.hit("micro", step + 1, ctx.rank)
@@ -132,9 +150,11 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
             local[0] += loss.double().cpu()
             local[1] += float(batch["attention_mask"].sum())
         faults.hit("step", step + 1, ctx.rank)
+        slots.fill(local, 2)  # the stop requests and the asynchronous writes ride on the loss all-reduce
         reduced = local.to(ctx.device)
         with dog.watch(step + 1, "all_reduce(loss)"):
             dist.all_reduce(reduced)  # SUM: gloo has no AVG
+        stopping, writes_done = slots.read(reduced, 2)
         step_loss = float(reduced[0]) / (ctx.world_size * t.grad_accum)
         tokens = int(reduced[1])
         if not math.isfinite(step_loss):
@@ -167,12 +187,27 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
         if ctx.is_main:
             with metrics_file.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
+        if saver.pending is not None and writes_done:
+            with dog.watch(step + 1, "checkpoint publish (checksums, manifest)", scale=6):
+                saver.finish()
+        saved = None
         if s.save_every and ((step + 1) % s.save_every == 0 or step + 1 == s.steps):
             with dog.watch(step + 1, "checkpoint save (barrier, checksums)", scale=6):
-                path = ckpt.save_checkpoint(engine, out / "checkpoints", step + 1, batches.position, s.keep_checkpoints)
-            _say(ctx, options, f"saved {path}", bar)
+                saved = saver.save(step + 1, batches.position, blocking=step + 1 == s.steps)
         if bar is not None:
             bar.update(1)
+        if stopping and step + 1 < s.steps:
+            with dog.watch(step + 1, "checkpoint save before stopping", scale=6):
+                saved = _stop_checkpoint(saver, saved, step + 1, batches.position)
+            signum = slots.agreed_signal()
+            if ctx.is_main:
+                preempt.write_marker(out, step + 1, signum, saved)
+            dog.close()
+            if bar is not None:
+                bar.close()
+            raise preempt.Preempted(step + 1, signum, saved)
+    with dog.watch(s.steps, "checkpoint publish (checksums, manifest)", scale=6):
+        saver.finish()
     dog.close()
     if bar is not None:
         bar.close()
@@ -184,6 +219,17 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
         _say(ctx, options, f"exported {options.export}")
     train.last_engine = engine  # for tests and benchmarks that inspect the final state
     return records
+
+
+def _stop_checkpoint(saver, saved, step: int, position):
+    """The checkpoint of `step` before a stop: the one this step already saved, once published."""
+    pending = saver.pending
+    if pending is not None and pending.step == step:
+        return saver.finish()
+    saver.finish()
+    if saved is not None:
+        return saved
+    return saver.save(step, position, blocking=True)
 
 
 def settle_garbage_collector() -> None:

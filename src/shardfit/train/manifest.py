@@ -150,6 +150,32 @@ def problems(folder: Path, manifest: dict | None = None) -> list[str]:
     return found
 
 
+def intact_here(folder: Path) -> bool:
+    """Whether the folder is an intact checkpoint, checked by this process alone (no collective: for
+    retention on rank 0). Each folder's contents are hashed at most once per process."""
+    try:
+        manifest = read_manifest(folder)
+    except CorruptCheckpoint:
+        return False
+    if listing_problems(folder, manifest):
+        return False
+    key = _identity(folder)
+    if key in _VERIFIED:
+        return True
+    if content_problems(folder, manifest["files"], sorted(manifest["files"])):
+        return False
+    if key is not None:
+        _VERIFIED.add(key)
+    return True
+
+
+def mark_verified(folder: Path) -> None:
+    """A checkpoint this process just wrote and checksummed: no need to hash it again."""
+    key = _identity(folder)
+    if key is not None:
+        _VERIFIED.add(key)
+
+
 def _identity(folder: Path):
     try:
         stat = (Path(folder) / MANIFEST).stat()

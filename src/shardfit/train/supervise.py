@@ -8,11 +8,14 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.train import preempt, runlock
 
 SUPERVISED_ENV = "SHARDFIT_SUPERVISED"  # set for workers whose supervisor prints the OOM diagnosis once
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
@@ -35,6 +38,14 @@ def check_run(plan, args, inside: bool) -> None:
             raise ShardfitError(f"schedule.{name} must be a finite number >= 0, got {value}")
     if s.nan_policy not in ("stop", "skip"):
         raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
+    for name, value, known in (("save_mode", s.save_mode, ("sync", "async")),
+                               ("on_save_error", s.on_save_error, ("stop", "continue"))):
+        if value not in known:
+            raise ShardfitError(f"schedule.{name} '{value}' is not known: use {' or '.join(known)}")
+    if s.save_mode == "async" and plan.strategy.is_deepspeed:
+        raise ShardfitError("schedule.save_mode async is not supported with DeepSpeed (its asynchronous checkpoint "
+                            "engines need the async_io op: libaio and a GPU): use save_mode sync")
+    preempt.signal_names(getattr(args, "stop_signals", None))
     if s.nan_policy == "skip" and plan.strategy.is_deepspeed:
         raise ShardfitError("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop")
     for name, value in (("data.path", plan.data.path), ("data.tokenizer", plan.data.tokenizer)):
@@ -43,6 +54,8 @@ def check_run(plan, args, inside: bool) -> None:
     from shardfit.train.manifest import MANIFEST, step_folders
 
     out = Path(args.out)
+    if not inside:
+        runlock.check(out)  # the workers' rank 0 takes the lock; refuse here already, before torchrun starts
     if not inside and not args.resume and (step_folders(out / "checkpoints") or (out / "metrics.jsonl").exists()):
         # NOTE: a second run into the same folder would overwrite its checkpoints and mix its metrics.
         raise ShardfitError(f"--out {args.out} already holds a run: continue it with --resume latest, or choose "
@@ -70,6 +83,8 @@ def export_env(args) -> None:
         os.environ["SHARDFIT_MEMORY_BUDGET"] = str(int(args.memory_budget))
     if args.collective_timeout is not None:
         os.environ["SHARDFIT_COLLECTIVE_TIMEOUT"] = str(args.collective_timeout)
+    if getattr(args, "stop_signals", None):
+        os.environ["SHARDFIT_STOP_SIGNALS"] = args.stop_signals
 
 
 def relaunch(worker_argv: list[str], args, restarts: int) -> int:
@@ -82,16 +97,30 @@ def relaunch(worker_argv: list[str], args, restarts: int) -> int:
     command.insert(3, f"--max-restarts={restarts}")
     from shardfit.runtime_env import launch_env
 
-    import time
-
+    stops = preempt.signal_names(os.environ.get(preempt.ENV))
+    # torchrun passes on the signals it handles to the workers (and gives them 30 s): the stop
+    # signals must be among them, or SIGUSR1 would end torchrun itself.
+    command.insert(4, "--signals-to-handle=" + ",".join(dict.fromkeys(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *stops))))
     env = launch_env()
     if os.environ.get("SHARDFIT_DEBUG"):
         return subprocess.call(command, env=env)
     env[SUPERVISED_ENV] = "1"
     started = time.time() - 1  # file times have a coarse grain on some file systems
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
-    failures = filter_launcher(process.stderr, sys.stderr)
-    code = process.wait()
+    # A signal to `shardfit train` itself goes on to torchrun, and from it to the workers.
+    before = {name: signal.signal(getattr(signal, name), lambda signum, frame: process.send_signal(signum))
+              for name in stops}
+    try:
+        failures = filter_launcher(process.stderr, sys.stderr)
+        code = process.wait()
+    finally:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
+    marker = preempt.read_marker(Path(args.out)) if getattr(args, "out", None) else None
+    if code != 0 and marker and marker.get("unix_time", 0) >= started:
+        print(f"shardfit: training preempted ({marker.get('signal')}) after step {marker.get('step')}: checkpoint "
+              f"{marker.get('checkpoint')}; continue with --resume auto", file=sys.stderr, flush=True)
+        return preempt.PREEMPTED_EXIT
     oom = _run_oom(args.out, started) if code != 0 else None
     if oom is not None:
         diagnosis, text, path = oom
@@ -124,6 +153,8 @@ def filter_launcher(lines, sink) -> list[tuple[int, int]]:
             launcher = any("torch/distributed/" in b or "ChildFailedError" in b for b in block)
             if launcher and line.startswith("====") and any(b.startswith("Root Cause") for b in block):
                 block = None  # the end of torchrun's report: drop it whole
+            elif launcher and "elastic.multiprocessing.api.SignalException:" in line:
+                block = None  # torchrun passed a stop signal on: the workers say what they did with it
             elif not launcher and (len(block) > 400 or (line.strip() and not line.startswith((" ", "Traceback")))):
                 sink.writelines(block)
                 block = None
