@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m shardfit.bench.worker --plan P.json --out R.json --ckpt DIR
     torchrun --nproc-per-node 2 -m shardfit.bench.worker --verify JOBS.json
+    torchrun --nproc-per-node 2 -m shardfit.bench.worker --jobs JOBS.json --warmup 2 --steps 3
 
 Training (one strategy per job): `warmup + steps` steps; the last warm-up step is
 instrumented: memory by phase and category (shardfit.measure) and collectives by kind and phase
@@ -36,6 +37,9 @@ def _args(argv):
     p.add_argument("--verify", metavar="JOBS.json",
                    help='check checkpoints instead of training: a JSON list of {"plan", "ckpt", "out"}')
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint round trip")
+    p.add_argument("--jobs", metavar="JOBS.json",
+                   help='train many plans in this one process, no checkpoints: a JSON list of {"plan", "out", '
+                        '"budget_bytes"} (a grid of small plans, where process start would dominate)')
     return p.parse_args(argv)
 
 
@@ -71,6 +75,10 @@ class Batches:
         ids = torch.stack(rows)
         return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
+    def step(self, step: int, accum: int) -> list[dict]:
+        """The `accum` micro-batches of optimizer step `step` (with accum 1: batch `step`, as before)."""
+        return [self(step * accum + micro) for micro in range(accum)]
+
 
 def _engine(plan, ctx):
     """The plan's model on shardfit.engines, built on CPU with the plan's seed (same weights
@@ -103,8 +111,8 @@ def _pass_reuse_distance():
     ds_engine.ds_config = ds_config
 
 
-def _step(engine, batch, comm=None):
-    """One optimizer step. With a CommCounter, collectives are labelled forward until the autograd
+def _step(engine, micro_batches, comm=None):
+    """One optimizer step over its micro-batches (gradients synchronised on the last). With a CommCounter, collectives are labelled forward until the autograd
     engine runs, backward from then on, optimizer from the optimizer step (DeepSpeed steps inside
     forward_backward: its engine.step is wrapped for the label)."""
     deepspeed = engine.kind.startswith("zero")
@@ -121,7 +129,8 @@ def _step(engine, batch, comm=None):
 
             ds.step = labelled_step
     try:
-        loss = engine.forward_backward(batch, True)
+        losses = [engine.forward_backward(batch, i == len(micro_batches) - 1) for i, batch in enumerate(micro_batches)]
+        loss = sum(losses) / len(losses)
         if comm is not None:
             comm.phase, comm.follow_backward = "optimizer", False
         if not deepspeed:
@@ -157,7 +166,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _measured_step(engine, batch, plan, budget: int):
+def _measured_step(engine, micro_batches, plan, budget: int):
     """The instrumented step: shardfit.profile (bytes by phase x category, gathered over ranks)
     and the CommCounter (collectives by kind and phase), both dispatch modes, both on one step."""
     import shardfit
@@ -168,7 +177,7 @@ def _measured_step(engine, batch, plan, budget: int):
                             explain_oom=False, label=plan.strategy.label)
     with CommCounter() as counter:
         with prof:
-            loss = _step(engine, batch, counter)
+            loss = _step(engine, micro_batches, counter)
     gathered = gather(prof.report(), everywhere=True)
     phases = {p: dict(c) for p, c in gathered.phases.items() if p in ("forward", "backward", "optimizer")}
     return loss, phases, gathered, counter.summary()
@@ -187,9 +196,10 @@ def train(args, plan, ctx) -> dict:
     batches = Batches(plan, ctx.rank, world)
     total = args.warmup + args.steps
     instrumented = max(0, args.warmup - 1)  # the last warm-up step: step 0 pays lazy initialisation
-    losses, times, memory, comm = [], [], None, None
+    losses, times, cpu_times, memory, comm = [], [], [], None, None
+    accum = plan.training.grad_accum
     for step in range(total):
-        batch = batches(step)
+        batch = batches.step(step, accum)
         if step == instrumented:
             loss, phases, gathered, comm = _measured_step(engine, batch, plan, args.budget_bytes)
             memory = summarize_memory(phases)
@@ -203,11 +213,14 @@ def train(args, plan, ctx) -> dict:
             losses.append(float(loss))
             continue
         _sync(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         value = float(_step(engine, batch))  # float() waits for the step to finish
         _sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            # CPU seconds of this rank's process (every thread): on a CPU shared with other work, what the
+            # step cost, whatever else ran meanwhile; waits for the other rank are not in it.
+            cpu_times.append(time.process_time() - cpu_start)
         losses.append(value)
     mean_losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.all_reduce(mean_losses)
@@ -217,12 +230,13 @@ def train(args, plan, ctx) -> dict:
     cuda = _cuda_memory(device)
 
     median = statistics.median(times) if times else None
-    tokens = plan.training.micro_batch * plan.training.seq_len * world
+    tokens = plan.training.micro_batch * plan.training.seq_len * accum * world
     result = {
         "strategy": plan.strategy.label, "status": "ok", "engine": f"shardfit.engines ({engine.kind})",
         "world_size": world, "device": device.type,
         "steps": {"warmup": args.warmup, "measured": args.steps, "instrumented_step": instrumented},
         "step_time_s": _spread(times) if times else None,
+        "step_cpu_s": _spread(cpu_times) if cpu_times else None,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / median if median else None,
         "mfu": _mfu(plan, tokens / median, world) if device.type == "cuda" and median else None,
@@ -249,11 +263,12 @@ def _save_with_reference(args, plan, ctx, engine, batches, total: int) -> dict:
     world = ctx.world_size
     root = Path(args.ckpt)
     start = time.perf_counter()
-    path = save_checkpoint(engine, root, total, Position(consumed=total * world * plan.training.micro_batch), keep=1)
+    per_step = world * plan.training.micro_batch * plan.training.grad_accum
+    path = save_checkpoint(engine, root, total, Position(consumed=total * per_step), keep=1)
     save_s = time.perf_counter() - start
     size = _dir_bytes(path) if ctx.is_main else 0
     before = fingerprint(engine)
-    next_loss = float(_step(engine, batches(total)))
+    next_loss = float(_step(engine, batches.step(total, plan.training.grad_accum)))
     after = fingerprint(engine)
     reference = root / "reference"
     reference.mkdir(parents=True, exist_ok=True)
@@ -302,7 +317,7 @@ def verify(plan, ckpt: str, ctx) -> dict:
     at_load = {"model": compare(ref["before"], loaded, "model."),
                "optimizer": compare(ref["before"], loaded, "optim.") if read_opt else None,
                "scheduler": compare(ref["before"], loaded, "sched.")}
-    next_loss = float(_step(engine, Batches(plan, ctx.rank, ctx.world_size)(step)))
+    next_loss = float(_step(engine, Batches(plan, ctx.rank, ctx.world_size).step(step, plan.training.grad_accum)))
     after = fingerprint(engine)
     after_step = {part: compare(ref["after"], after, f"{part[:5]}.") for part in ("model", "optim", "sched")}
     checks = {"model": at_load["model"]["equal"],
@@ -343,6 +358,28 @@ def _write(result: dict, out: str, rank: int, failed: bool) -> None:
         target.write_text(json.dumps(result, indent=1))
 
 
+def _train_jobs(args, ctx) -> int:
+    """Each job trains like a bench row (no checkpoint). An over-budget job is a result like any other
+    (every rank sees the gathered peak, so all ranks stop together); a failure ends the job list, as
+    a rank may be left inside a collective."""
+    import copy
+    import gc
+
+    import torch.distributed as dist
+
+    for job in json.loads(Path(args.jobs).read_text()):
+        plan = _load_plan(job["plan"])
+        job_args = copy.copy(args)
+        job_args.budget_bytes, job_args.no_checkpoint = int(job.get("budget_bytes") or 0), True
+        result, code = _guarded(lambda: train(job_args, plan, ctx), plan.strategy.label)
+        _write(result, job["out"], ctx.rank, code not in (0, OOM_EXIT))
+        gc.collect()
+        if code not in (0, OOM_EXIT):
+            return code
+        dist.barrier()
+    return 0
+
+
 def main(argv=None) -> int:
     args = _args(sys.argv[1:] if argv is None else argv)
     import gc
@@ -367,6 +404,8 @@ def main(argv=None) -> int:
             if code:
                 return code  # a rank may be stuck in a collective: let torchrun end the job
             dist.barrier()
+    elif args.jobs:
+        code = _train_jobs(args, ctx)
     else:
         plan = _load_plan(args.plan)
         result, code = _guarded(lambda: train(args, plan, ctx), plan.strategy.label)
