@@ -201,12 +201,18 @@ def train(args, plan, ctx) -> dict:
     for step in range(total):
         batch = batches.step(step, accum)
         if step == instrumented:
-            loss, phases, gathered, comm = _measured_step(engine, batch, plan, args.budget_bytes)
+            # --jobs checks the budget after the step, on the gathered peaks: every rank then stops
+            # together, and the process can go on to the next job.
+            after = getattr(args, "budget_after_step", False)
+            loss, phases, gathered, comm = _measured_step(engine, batch, plan, 0 if after else args.budget_bytes)
             memory = summarize_memory(phases)
             memory.update(source="shardfit.measure (worst rank per phase and category)",
                           per_rank_peak_bytes=gathered.peak_by_rank(),
                           host_bytes=max(cats.get("host", 0) for cats in gathered.phases.values()))
             ooms = gathered.ooms
+            if after and args.budget_bytes and max(gathered.peak_by_rank()) > args.budget_bytes:
+                raise BudgetExceeded(f"over the {args.budget_bytes} B budget: measured peak "
+                                     f"{max(gathered.peak_by_rank())} B per rank")
             if ooms:
                 raise BudgetExceeded(f"over the {args.budget_bytes} B budget on rank {ooms[0]['rank']} "
                                      f"in {ooms[0].get('phase')}: {ooms[0].get('message', '')}")
@@ -359,9 +365,10 @@ def _write(result: dict, out: str, rank: int, failed: bool) -> None:
 
 
 def _train_jobs(args, ctx) -> int:
-    """Each job trains like a bench row (no checkpoint). An over-budget job is a result like any other
-    (every rank sees the gathered peak, so all ranks stop together); a failure ends the job list, as
-    a rank may be left inside a collective."""
+    """Each job trains like a bench row (no checkpoint). The budget is checked after the instrumented
+    step on the gathered peaks, so an over-budget job stops every rank at once and the next job
+    runs. A failure ends the process: one rank may have stopped mid-step while the other waits in a
+    collective, and only torchrun ending the job frees it; the caller relaunches with the jobs left."""
     import copy
     import gc
 
@@ -371,6 +378,7 @@ def _train_jobs(args, ctx) -> int:
         plan = _load_plan(job["plan"])
         job_args = copy.copy(args)
         job_args.budget_bytes, job_args.no_checkpoint = int(job.get("budget_bytes") or 0), True
+        job_args.budget_after_step = True
         result, code = _guarded(lambda: train(job_args, plan, ctx), plan.strategy.label)
         _write(result, job["out"], ctx.rank, code not in (0, OOM_EXIT))
         gc.collect()
