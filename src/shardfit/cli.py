@@ -23,6 +23,7 @@ COMMANDS = {
     "doctor": "find the classic mistakes in existing training configs",
     "profile": "measure a real step by phase and category, and explain an OOM",
     "bench": "run the same step under each strategy, side by side",
+    "calibrate": "measure this machine's rates into a device profile (--device-profile)",
     "train": "train a plan on DDP, FSDP, FSDP2 or DeepSpeed",
     "convert": "move a training checkpoint between engines (DeepSpeed <-> DCP)",
     "export": "consolidate a training checkpoint into a Hugging Face directory",

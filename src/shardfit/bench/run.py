@@ -123,8 +123,14 @@ def torchrun_job(args: list[str], nproc: int, timeout: float, log: Path,
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            # NOTE: torchrun starts each rank in a session of its own, out of this group's reach: SIGTERM
+            # first lets torchrun stop its ranks (a SIGKILL alone left them hanging in a collective).
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             code = None
         except BaseException:  # Ctrl-C: the job runs in its own session and would outlive us
             os.killpg(proc.pid, signal.SIGKILL)

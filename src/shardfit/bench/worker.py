@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m shardfit.bench.worker --plan P.json --out R.json --ckpt DIR
     torchrun --nproc-per-node 2 -m shardfit.bench.worker --verify JOBS.json
+    torchrun --nproc-per-node 2 -m shardfit.bench.worker --jobs JOBS.json --warmup 2 --steps 3
 
 Training (one strategy per job): `warmup + steps` steps; the last warm-up step is
 instrumented: memory by phase and category (shardfit.measure) and collectives by kind and phase
@@ -22,6 +23,8 @@ import time
 import traceback
 from pathlib import Path
 
+from shardfit.bench.batches import Batches
+
 OOM_EXIT = 3  # the orchestrator reads this exit code as "out of memory" (budget exceeded)
 
 
@@ -36,6 +39,9 @@ def _args(argv):
     p.add_argument("--verify", metavar="JOBS.json",
                    help='check checkpoints instead of training: a JSON list of {"plan", "ckpt", "out"}')
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint round trip")
+    p.add_argument("--jobs", metavar="JOBS.json",
+                   help='train many plans in this one process, no checkpoints: a JSON list of {"plan", "out", '
+                        '"budget_bytes"} (a grid of small plans, where process start would dominate)')
     return p.parse_args(argv)
 
 
@@ -43,33 +49,6 @@ def _load_plan(path: str):
     from shardfit.spec.plan import plan_from_dict
 
     return plan_from_dict(json.loads(Path(path).read_text()))
-
-
-class Batches:
-    """Deterministic byte-level windows of the shipped corpus: batch i of rank r is the same in
-    every strategy and in the resumed process (engines move it to their device)."""
-
-    def __init__(self, plan, rank: int, world: int):
-        from importlib import resources
-
-        import torch
-
-        text = resources.files("shardfit.data").joinpath("corpus.txt").read_bytes()
-        vocab = max(plan.model.vocab_size, 2)
-        self.tokens = torch.tensor(list(text), dtype=torch.long) % vocab
-        self.mb, self.seq = plan.training.micro_batch, plan.training.seq_len
-        self.rank, self.world = rank, world
-
-    def __call__(self, step: int) -> dict:
-        import torch
-
-        span = len(self.tokens) - self.seq - 1
-        rows = []
-        for row in range(self.mb):
-            start = ((step * self.world + self.rank) * self.mb + row) * 997 * self.seq % span
-            rows.append(self.tokens[start:start + self.seq])
-        ids = torch.stack(rows)
-        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
 
 
 def _engine(plan, ctx):
@@ -81,8 +60,8 @@ def _engine(plan, ctx):
     return engines.setup(plan, build_model(plan), ctx)
 
 
-def _step(engine, batch, comm=None):
-    """One optimizer step. With a CommCounter, collectives are labelled forward until the autograd
+def _step(engine, micro_batches, comm=None):
+    """One optimizer step over its micro-batches (gradients synchronised on the last). With a CommCounter, collectives are labelled forward until the autograd
     engine runs, backward from then on, optimizer from the optimizer step (DeepSpeed steps inside
     forward_backward: its engine.step is wrapped for the label)."""
     deepspeed = engine.kind.startswith("zero")
@@ -99,7 +78,8 @@ def _step(engine, batch, comm=None):
 
             ds.step = labelled_step
     try:
-        loss = engine.forward_backward(batch, True)
+        losses = [engine.forward_backward(batch, i == len(micro_batches) - 1) for i, batch in enumerate(micro_batches)]
+        loss = sum(losses) / len(losses)
         if comm is not None:
             comm.phase, comm.follow_backward = "optimizer", False
         if not deepspeed:
@@ -135,7 +115,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _measured_step(engine, batch, plan, budget: int):
+def _measured_step(engine, micro_batches, plan, budget: int):
     """The instrumented step: shardfit.profile (bytes by phase x category, gathered over ranks)
     and the CommCounter (collectives by kind and phase), both dispatch modes, both on one step."""
     import shardfit
@@ -149,7 +129,7 @@ def _measured_step(engine, batch, plan, budget: int):
     with CommCounter() as counter:
         try:
             with prof:
-                loss = _step(engine, batch, counter)
+                loss = _step(engine, micro_batches, counter)
         except torch.OutOfMemoryError as exc:
             # This rank's diagnosis, as `shardfit profile` gives it (no collective after an OOM):
             # run_strategy keeps the worst rank's of those the failing ranks wrote.
@@ -175,16 +155,23 @@ def train(args, plan, ctx) -> dict:
     batches = Batches(plan, ctx.rank, world)
     total = args.warmup + args.steps
     instrumented = max(0, args.warmup - 1)  # the last warm-up step: step 0 pays lazy initialisation
-    losses, times, memory, comm = [], [], None, None
+    losses, times, cpu_times, memory, comm = [], [], [], None, None
+    accum = plan.training.grad_accum
     for step in range(total):
-        batch = batches(step)
+        batch = batches.step(step, accum)
         if step == instrumented:
-            loss, phases, gathered, comm = _measured_step(engine, batch, plan, args.budget_bytes)
+            # --jobs checks the budget after the step, on the gathered peaks: every rank then stops
+            # together, and the process can go on to the next job.
+            after = getattr(args, "budget_after_step", False)
+            loss, phases, gathered, comm = _measured_step(engine, batch, plan, 0 if after else args.budget_bytes)
             memory = summarize_memory(phases)
             memory.update(source="shardfit.measure (worst rank per phase and category)",
                           per_rank_peak_bytes=gathered.peak_by_rank(),
                           host_bytes=max(cats.get("host", 0) for cats in gathered.phases.values()))
             ooms = gathered.ooms
+            if after and args.budget_bytes and max(gathered.peak_by_rank()) > args.budget_bytes:
+                raise BudgetExceeded(f"over the {args.budget_bytes} B budget: measured peak "
+                                     f"{max(gathered.peak_by_rank())} B per rank")
             if ooms:
                 from shardfit.measure.oom import worst_rank_diagnosis
 
@@ -195,11 +182,14 @@ def train(args, plan, ctx) -> dict:
             losses.append(float(loss))
             continue
         _sync(device)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         value = float(_step(engine, batch))  # float() waits for the step to finish
         _sync(device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            # CPU seconds of this rank's process (every thread): on a CPU shared with other work, what the
+            # step cost, whatever else ran meanwhile; waits for the other rank are not in it.
+            cpu_times.append(time.process_time() - cpu_start)
         losses.append(value)
     mean_losses = torch.tensor(losses, dtype=torch.float64, device=device)
     dist.all_reduce(mean_losses)
@@ -209,12 +199,13 @@ def train(args, plan, ctx) -> dict:
     cuda = _cuda_memory(device)
 
     median = statistics.median(times) if times else None
-    tokens = plan.training.micro_batch * plan.training.seq_len * world
+    tokens = plan.training.micro_batch * plan.training.seq_len * accum * world
     result = {
         "strategy": plan.strategy.label, "status": "ok", "engine": f"shardfit.engines ({engine.kind})",
         "world_size": world, "device": device.type,
         "steps": {"warmup": args.warmup, "measured": args.steps, "instrumented_step": instrumented},
         "step_time_s": _spread(times) if times else None,
+        "step_cpu_s": _spread(cpu_times) if cpu_times else None,
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / median if median else None,
         "mfu": _mfu(plan, tokens / median, world) if device.type == "cuda" and median else None,
@@ -241,11 +232,12 @@ def _save_with_reference(args, plan, ctx, engine, batches, total: int) -> dict:
     world = ctx.world_size
     root = Path(args.ckpt)
     start = time.perf_counter()
-    path = save_checkpoint(engine, root, total, Position(consumed=total * world * plan.training.micro_batch), keep=1)
+    per_step = world * plan.training.micro_batch * plan.training.grad_accum
+    path = save_checkpoint(engine, root, total, Position(consumed=total * per_step), keep=1)
     save_s = time.perf_counter() - start
     size = _dir_bytes(path) if ctx.is_main else 0
     before = fingerprint(engine)
-    next_loss = float(_step(engine, batches(total)))
+    next_loss = float(_step(engine, batches.step(total, plan.training.grad_accum)))
     after = fingerprint(engine)
     reference = root / "reference"
     reference.mkdir(parents=True, exist_ok=True)
@@ -294,7 +286,7 @@ def verify(plan, ckpt: str, ctx) -> dict:
     at_load = {"model": compare(ref["before"], loaded, "model."),
                "optimizer": compare(ref["before"], loaded, "optim.") if read_opt else None,
                "scheduler": compare(ref["before"], loaded, "sched.")}
-    next_loss = float(_step(engine, Batches(plan, ctx.rank, ctx.world_size)(step)))
+    next_loss = float(_step(engine, Batches(plan, ctx.rank, ctx.world_size).step(step, plan.training.grad_accum)))
     after = fingerprint(engine)
     after_step = {part: compare(ref["after"], after, f"{part[:5]}.") for part in ("model", "optim", "sched")}
     checks = {"model": at_load["model"]["equal"],
@@ -337,6 +329,30 @@ def _write(result: dict, out: str, rank: int, failed: bool) -> None:
         target.write_text(json.dumps(result, indent=1))
 
 
+def _train_jobs(args, ctx) -> int:
+    """Each job trains like a bench row (no checkpoint). The budget is checked after the instrumented
+    step on the gathered peaks, so an over-budget job stops every rank at once and the next job
+    runs. A failure ends the process: one rank may have stopped mid-step while the other waits in a
+    collective, and only torchrun ending the job frees it; the caller relaunches with the jobs left."""
+    import copy
+    import gc
+
+    import torch.distributed as dist
+
+    for job in json.loads(Path(args.jobs).read_text()):
+        plan = _load_plan(job["plan"])
+        job_args = copy.copy(args)
+        job_args.budget_bytes, job_args.no_checkpoint = int(job.get("budget_bytes") or 0), True
+        job_args.budget_after_step = True
+        result, code = _guarded(lambda: train(job_args, plan, ctx), plan.strategy.label)
+        _write(result, job["out"], ctx.rank, code not in (0, OOM_EXIT))
+        gc.collect()
+        if code not in (0, OOM_EXIT):
+            return code
+        dist.barrier()
+    return 0
+
+
 def main(argv=None) -> int:
     args = _args(sys.argv[1:] if argv is None else argv)
     import gc
@@ -361,6 +377,8 @@ def main(argv=None) -> int:
             if code:
                 return code  # a rank may be stuck in a collective: let torchrun end the job
             dist.barrier()
+    elif args.jobs:
+        code = _train_jobs(args, ctx)
     else:
         plan = _load_plan(args.plan)
         result, code = _guarded(lambda: train(args, plan, ctx), plan.strategy.label)

@@ -23,6 +23,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per torchrun job (default 300)")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint round trip (save + fresh-process reload)")
     parser.add_argument("--keep-checkpoints", action="store_true", help="keep each strategy's checkpoint under OUT/runs/")
+    parser.add_argument("--device-profile", dest="device_profile",
+                        help="print each strategy's predicted step time under this calibrated profile beside the measured one")
 
 
 def run(args) -> int:
@@ -54,19 +56,46 @@ def run(args) -> int:
     if bad:
         raise ShardfitError(f"--budget-bytes must be positive: {bad[0]}")
     plan = load_bench_plan(args.plan, nproc)
+    profile = None
+    if args.device_profile:
+        from shardfit.spec.device_profile import load_profile
+
+        profile = load_profile(args.device_profile).as_gpu()
     out = Path(args.out)
     print(f"shardfit bench: {plan.model.name}, {nproc} ranks, {len(labels)} strategies, "
           f"{args.warmup}+{args.steps} steps each -> {out}", flush=True)
     report = bench(plan, labels, out=out, nproc=nproc, warmup=args.warmup, steps=args.steps,
                    budgets=budgets, timeout=args.timeout,
                    checkpoint=not args.no_checkpoint, keep_checkpoints=args.keep_checkpoints, progress=_progress)
+    lines = _predicted_times(report, plan, nproc, profile) if profile is not None else []
     files = report_mod.write_all(report, out)
     print()
     print(report_mod.table(report))
+    if lines:
+        print(f"\nstep time, measured vs predicted under {args.device_profile}:")
+        print("\n".join(lines))
     print(f"\nwall {report['wall_s']:.0f} s; report: {files['html']}  (also {files['json'].name}, "
           f"{files['csv'].name}, charts/)")
     failed = [r["strategy"] for r in report["results"] if r.get("status") in ("failed", "timeout")]
     return 1 if failed else 0
+
+
+def _predicted_times(report: dict, plan, nproc: int, gpu) -> list[str]:
+    """Each ok row's predicted step time (fit's step-time model under the profile) beside its
+    measured median, stored in the report as predicted_step_s."""
+    from shardfit.bench.run import strategy_plan
+    from shardfit.fit.steptime import step_time
+
+    lines = []
+    for result in report["results"]:
+        if result.get("status") != "ok" or not result.get("step_time_s"):
+            continue
+        predicted = step_time(strategy_plan(plan, result["strategy"], nproc), gpu).total_s
+        measured = result["step_time_s"]["median"]
+        result["predicted_step_s"] = predicted
+        lines.append(f"  {result['strategy']:<20} measured {measured * 1e3:8.1f} ms  predicted {predicted * 1e3:8.1f} ms  "
+                     f"(x{measured / predicted:.2f})")
+    return lines
 
 
 def _progress(line: str, end: str = "\n") -> None:

@@ -11,7 +11,7 @@ from shardfit.spec.sizes import gib_type
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="preset name (see `shardfit models`), config.json path/folder, or pkg.module:fn")
-    parser.add_argument("--gpu", default="H100-80GB", help="GPU catalog name, or custom:SIZE (custom:24 is GiB; custom:80GB) (default H100-80GB)")
+    parser.add_argument("--gpu", default=None, help="GPU catalog name, or custom:SIZE (custom:24 is GiB; custom:80GB) (default H100-80GB)")
     parser.add_argument("--gpus", type=int, default=8,
                         help="total GPUs (default 8); without --nodes, nodes of 8 above 8 GPUs")
     parser.add_argument("--nodes", type=int, help="nodes (GPUs per node = --gpus / --nodes)")
@@ -37,6 +37,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="run the chosen plan for a few real steps on the devices here (2 CPU ranks without GPUs) "
                              "and correct the memory prediction from the measurement")
+    parser.add_argument("--device-profile", dest="device_profile",
+                        help="rank by the rates `shardfit calibrate` measured (a profile file) instead of --gpu's "
+                             "datasheet; memory stays --gpu's (or the profiled device's without --gpu)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -60,9 +63,18 @@ def request_from_args(args):
             raise ShardfitError(f"--steps must be at least 1, got {args.steps}")
         base = base.with_changes(schedule=Schedule(steps=args.steps, warmup_steps=min(5, args.steps)))
     from shardfit.spec.gpus import get_gpu, split_gpus
-    get_gpu(args.gpu)  # a bad GPU name fails here, in one line
+    gpu_name = args.gpu or "H100-80GB"
+    get_gpu(gpu_name)  # a bad GPU name fails here, in one line
     nodes, per_node = split_gpus(args.gpus, args.nodes)
-    return FitRequest(model=model, gpu=args.gpu, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
+    profiled = None
+    if args.device_profile:
+        from shardfit.spec.device_profile import load_profile
+
+        profile = load_profile(args.device_profile)
+        profiled = profile.as_gpu(memory_gib=get_gpu(args.gpu).memory_gib if args.gpu else None)
+        if args.gpu is None:
+            gpu_name = f"custom:{profiled.memory_gib:g}"
+    return FitRequest(model=model, gpu=gpu_name, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                       global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
                       optimizer=args.optimizer, engines=engines, device="cpu" if args.cpu else "cuda",
                       host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)
@@ -72,7 +84,14 @@ def run(args) -> int:
     from shardfit.fit import fit
     from shardfit.fit.report import format_text, to_json
 
-    result = fit(request_from_args(args))
+    request = request_from_args(args)
+    result = fit(request)
+    if request.device_profile is not None:
+        from dataclasses import replace
+
+        result = replace(result, notes=result.notes + (
+            f"step times from the device profile {args.device_profile} ({request.device_profile.name}: measured "
+            "rates, no datasheet efficiencies)",))
     checked = None
     if args.verify and result.best is not None:
         from shardfit.fit.verify import verify
@@ -88,9 +107,7 @@ def run(args) -> int:
     if args.json:
         data = to_json(result)
         if checked is not None:
-            data["verify"] = {"ranks": checked.ranks, "device": checked.device, "measured_bytes": checked.measured_bytes,
-                              "predicted_bytes": checked.predicted_bytes, "corrected_bytes": checked.corrected_bytes,
-                              "fits": checked.fits}
+            data["verify"] = checked.to_json(result)
         print(json.dumps(data, indent=2))
     else:
         print(format_text(result))
@@ -98,6 +115,7 @@ def run(args) -> int:
             print(f"note: {lora_line(result.request.lora, args)}")
         if checked is not None:
             print(checked.line())
+            print("\n".join(checked.time_lines(result)))
         if args.output and ok:
             formats = "single|hf-trainer|..." if result.best.plan.strategy.kind == "single" else "deepspeed|fsdp2|..."
             print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}` "

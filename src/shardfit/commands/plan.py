@@ -42,6 +42,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--optimizer-impl", default="auto",
                         help="auto (CUDA: foreach for torch, fused for DeepSpeed; cpu: single-tensor) | foreach | single | fused")
     parser.add_argument("--checkpoint", default="sharded", help="checkpoint save: sharded (default) | full (rank-0 consolidation)")
+    parser.add_argument("--device-profile", dest="device_profile",
+                        help="also print each strategy's step time under the rates `shardfit calibrate` measured")
     parser.add_argument("--json", action="store_true", help="print the stable JSON document (schema in the README)")
     parser.add_argument("--explain", action="store_true", help="print every term's formula, inputs and source")
 
@@ -178,7 +180,12 @@ def run(args) -> int:
         raise ShardfitError("--offload nvme needs --nvme-path (a local NVMe mount, e.g. /local_nvme)")
     plan = build_plan(args)
     gpu = get_gpu(plan.cluster.gpu)
-    rows, skipped = [], []
+    profile = None
+    if args.device_profile:
+        from shardfit.spec.device_profile import load_profile
+
+        profile = load_profile(args.device_profile).as_gpu(memory_gib=gpu.memory_gib)
+    rows, skipped, times = [], [], {}
     for strategy, explicit in strategies_for(args, plan):
         candidate = replace(plan, strategy=strategy)
         try:
@@ -193,16 +200,34 @@ def run(args) -> int:
         if warnings:
             est = replace(est, warnings=tuple(warnings) + est.warnings)
         rows.append((strategy.label, est))
+        if profile is not None:
+            times[strategy.label] = _step_seconds(candidate, profile)
     if not rows:
         raise no_valid_strategy(skipped)
     if args.json:
         doc = report.document(plan, gpu, rows, args.accounting, args.device, args.checkpoint, skipped,
                               with_terms=args.explain)
+        if profile is not None:
+            doc["step_time_s"] = {"device_profile": args.device_profile, **times}
         sys.stdout.write(report.to_json(doc) + "\n")
         return 0
     print(report.table(plan, gpu, rows, args.accounting, args.device, skipped))
     if lora_asked(args):
         print(f"note: {lora_line(plan.training.lora, args)}")
+    if profile is not None:
+        print(f"\nstep time under {args.device_profile} ({profile.name}, measured rates):")
+        for label, seconds in times.items():
+            print(f"  {label:<20} " + ("n/a: " + seconds if isinstance(seconds, str) else f"{seconds * 1e3:.2f} ms"))
     if args.explain:
         print(report.explain(rows))
     return 0
+
+
+def _step_seconds(plan, gpu):
+    """Predicted seconds per optimizer step, or why there is none (a link the profile lacks)."""
+    from shardfit.fit.steptime import step_time
+
+    try:
+        return step_time(plan, gpu).total_s
+    except ShardfitError as exc:
+        return str(exc)

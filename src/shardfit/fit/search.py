@@ -43,6 +43,7 @@ class FitRequest:
     nvme_path: str | None = None  # the NVMe mount for ZeRO-Infinity plans
     top: int = 3
     base: Plan | None = None  # carries schedule / data into the result
+    device_profile: GPU | None = None  # calibrated rates (--device-profile); memory and plans still name `gpu`
 
     @property
     def world_size(self) -> int:
@@ -133,7 +134,7 @@ class _Search:
     def __init__(self, request: FitRequest, estimate_fn):
         self.request = request
         self.estimate = _estimate_fn(estimate_fn, request.device)
-        self.gpu = get_gpu(request.gpu)
+        self.gpu = request.device_profile or get_gpu(request.gpu)
         self.usable = int(self.gpu.memory_bytes * (1.0 - request.margin))
         self.calls = 0
         self._cache: dict = {}

@@ -3,13 +3,21 @@
 time = compute + exposed communication + offload traffic + optimizer update, per rank. It ranks
 plans against each other; it is not a promise of absolute speed (`fit --verify` measures that).
 Every constant below says where it comes from.
+
+Two kinds of device: a catalog GPU's datasheet figures, which GEMM_EFFICIENCY, MEMORY_EFFICIENCY,
+LINK_EFFICIENCY, OVERLAP and the token ramp discount to what is achieved; and a calibrated device
+profile (`shardfit calibrate`, GPU.measured), whose rates were achieved on the machine already: the
+profile path uses them as they are and multiplies in none of those factors.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardfit.errors import ShardfitError
+
 from shardfit.estimate.states import lora_adapter_params, model_linears
 from shardfit.estimate.traffic import micro_batch_traffic_bytes
+from shardfit.fit.measured import measured_matmul_flops
 from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
@@ -132,11 +140,28 @@ def efficiency(plan: Plan) -> float:
     return GEMM_EFFICIENCY * min(1.0, tokens / EFFICIENCY_FULL_TOKENS) ** 0.5
 
 
+def matmul_rate(plan: Plan, gpu: GPU) -> tuple[float, float]:
+    """(FLOP/s the step's matmuls run at, that rate as a fraction of the device's bf16 peak)."""
+    t = plan.training
+    if gpu.measured is not None:
+        rate = measured_matmul_flops(gpu.measured, t.precision, t.micro_batch * t.seq_len, plan.model.hidden_size or 1)
+        return rate, rate / (gpu.bf16_tflops * 1e12) if gpu.bf16_tflops else 1.0
+    eff = efficiency(plan)
+    return gpu.bf16_tflops * 1e12 * eff * (FP32_RATE_FACTOR if t.precision == "fp32" else 1.0), eff
+
+
+def _memory_bps(gpu: GPU) -> float:
+    """Achievable memory bandwidth: the measured copy rate, or the datasheet figure discounted."""
+    if gpu.measured is not None:
+        return gpu.measured.memory_gbs * GB
+    return gpu.memory_bandwidth_gbs * GB * MEMORY_EFFICIENCY
+
+
 def memory_seconds(plan: Plan, gpu: GPU) -> float:
     """The memory-bound kernels of every micro-batch: the activation bytes they move over the
     achievable HBM bandwidth (estimate/traffic.py). They dominate small models and eager attention."""
     traffic = micro_batch_traffic_bytes(plan) * plan.training.grad_accum
-    return traffic / (gpu.memory_bandwidth_gbs * GB * MEMORY_EFFICIENCY)
+    return traffic / _memory_bps(gpu)
 
 
 def _param_bytes(plan: Plan) -> float:
@@ -248,14 +273,21 @@ def offload_seconds(plan: Plan, gpu: GPU) -> float:
     if not (s.offload_optimizer or s.offload_params):
         return 0.0
     n = c.world_size
-    host_bps = gpu.host_link_gbs * GB * HOST_LINK_EFFICIENCY
+    measured = gpu.measured
+    if measured is not None:
+        # A CPU device is the host: the offload copies are copies inside RAM, at the measured copy rate.
+        host_bps = (measured.host_link_gbs or measured.memory_gbs) * GB
+        adam_rate = measured.cpu_adam_params_per_s
+    else:
+        host_bps = gpu.host_link_gbs * GB * HOST_LINK_EFFICIENCY
+        adam_rate = CPU_ADAM_PARAMS_PER_S
     trained = trained_params(plan) / n
     seconds = 0.0
     optimizer_device = s.offload_optimizer or (s.offload_params if s.kind in ("fsdp", "fsdp2") else None)
     if optimizer_device:
         # Gradients down (fp32 on the host side: 4 B) and updated 16-bit parameters back up (2 B).
         moved = trained * 6
-        seconds += moved / host_bps + trained / CPU_ADAM_PARAMS_PER_S
+        seconds += moved / host_bps + trained / adam_rate
         if optimizer_device == "nvme":
             # Optimizer state (12 B/param fp32 master + moments) read and written every step.
             seconds += trained * 24 / (NVME_GBS * GB)
@@ -273,6 +305,8 @@ def optimizer_seconds(plan: Plan, gpu: GPU) -> float:
     if s.offload_optimizer or (s.kind in ("fsdp", "fsdp2") and s.offload_params):
         return 0.0  # counted with the offload traffic (CPU Adam)
     shard = plan.cluster.world_size if s.kind in ("zero1", "zero2", "zero3", "fsdp", "fsdp2") else 1
+    if gpu.measured is not None:
+        return trained_params(plan) / shard / gpu.measured.optimizer_params_per_s
     return trained_params(plan) / shard * ADAM_BYTES_PER_PARAM / (gpu.memory_bandwidth_gbs * GB)
 
 
@@ -288,28 +322,40 @@ def _link_gbs(link: str, gpu: GPU, gpus_per_node: int) -> float:
     return gpu.inter_node_gbs
 
 
+def _link(link: str, gpu: GPU, gpus_per_node: int) -> tuple[float, float]:
+    """(achievable bytes/s per rank, seconds of latency per collective) of a link."""
+    if gpu.measured is not None:
+        found = gpu.measured.link(link)
+        if found is None:
+            raise ShardfitError(f"the device profile has no '{link}' link (calibrate measured "
+                                f"{', '.join(name for name, *_ in gpu.measured.links) or 'none'}): plan one node, "
+                                "or drop --device-profile")
+        return found[0] * GB, found[1]
+    latency = LATENCY_INTRA_S if link == "intra" else LATENCY_INTER_S
+    return _link_gbs(link, gpu, gpus_per_node) * GB * LINK_EFFICIENCY, latency
+
+
 def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
     """Predicted seconds per optimizer step for one rank of `plan`."""
     gpu = gpu or get_gpu(plan.cluster.gpu)
     t = plan.training
     flops, model_flops = step_flops(plan)
-    eff = efficiency(plan)
-    rate = gpu.bf16_tflops * 1e12 * eff * (FP32_RATE_FACTOR if t.precision == "fp32" else 1.0)
+    rate, eff = matmul_rate(plan, gpu)
     memory = memory_seconds(plan, gpu)
     compute = flops / rate + memory
     backward = compute * backward_share(plan)
     hide_behind = {WINDOW_FORWARD: compute - backward, WINDOW_BACKWARD: backward,
                    WINDOW_BOUNDARY: backward / t.grad_accum, WINDOW_NONE: 0.0}
     comm_total = exposed = comm_bytes = 0.0
+    overlap_fraction = gpu.measured.comm_overlap if gpu.measured is not None else OVERLAP
     for part in comm_parts(plan):
-        inter = part.link != "intra"
-        bandwidth = _link_gbs(part.link, gpu, plan.cluster.gpus_per_node) * GB * LINK_EFFICIENCY
-        seconds = part.bytes / bandwidth + part.collectives * (LATENCY_INTER_S if inter else LATENCY_INTRA_S)
+        bandwidth, latency = _link(part.link, gpu, plan.cluster.gpus_per_node)
+        seconds = part.bytes / bandwidth + part.collectives * latency
         comm_total += seconds
         comm_bytes += part.bytes
         # The first unit's all-gather of every forward has no earlier layer to hide behind.
         fill = seconds / max(part.collectives, 1) * t.grad_accum if part.window == WINDOW_FORWARD else 0.0
-        overlap = OVERLAP if (part.window and plan.strategy.overlap_comm) else 0.0
+        overlap = overlap_fraction if (part.window and plan.strategy.overlap_comm) else 0.0
         rest = seconds - fill
         exposed += fill + max(rest - overlap * hide_behind[part.window], (1 - overlap) * rest)
     return StepTime(compute_s=compute, memory_s=memory, comm_s=comm_total, exposed_comm_s=exposed,

@@ -84,6 +84,7 @@ def run_one(config: dict, ctx, previous: list) -> dict:
             prof.record_oom(exc)
             error = "oom"
     report = prof.report()
+    step_times = _timed_steps(engine, plan, ctx, vocab, steps, int(config.get("timed_steps", 0))) if error is None else []
     engine = None
     gc.collect()
     gathered = gather(report, everywhere=True)
@@ -92,6 +93,7 @@ def run_one(config: dict, ctx, previous: list) -> dict:
     estimate = estimate_dict(plan, "cuda" if ctx.device.type == "cuda" else "cpu")
     out = {"label": config.get("label") or plan.strategy.label, "plan": config["plan"], "budget_bytes": budget,
            "error": error, "seconds": round(time.perf_counter() - started, 2), "measured": gathered.phases,
+           "step_times_s": step_times,
            "report": gathered.to_dict(), "estimate": estimate,
            "comparison": compare(gathered.phases, estimate["phases"]) if estimate else None}
     if error == "oom":
@@ -100,6 +102,30 @@ def run_one(config: dict, ctx, previous: list) -> dict:
         diagnosis = worst_rank_diagnosis(gathered.ranks, plan)
         out["diagnosis"] = diagnosis.to_dict() if diagnosis else None
     return out
+
+
+def _timed_steps(engine, plan, ctx, vocab: int, first: int, count: int) -> list[float]:
+    """Seconds of `count` more optimizer steps, outside the profiler (its hooks cost time): what
+    `fit --verify` compares with the step-time model. Each rank's time is the slowest rank's."""
+    accum = plan.training.grad_accum
+    times = []
+    for step in range(first, first + count):
+        batches = [make_batch(plan, step * accum + micro, ctx.rank, vocab) for micro in range(accum)]
+        dist.barrier()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for micro, batch in enumerate(batches):
+            loss = engine.forward_backward(batch, last=micro == accum - 1)
+        if not engine.kind.startswith("zero"):
+            engine.step()
+        float(loss)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        times.append(float(seconds))
+    return times
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,24 @@ GIB = 1024**3
 
 
 @dataclass(frozen=True, kw_only=True)
+class MeasuredRates:
+    """Rates `shardfit calibrate` achieved on one machine (spec/device_profile.py). They are already
+    achieved rates, so the step-time model applies none of its datasheet efficiencies to them."""
+    device: str  # "cpu" | "cuda": where they were measured
+    matmul: tuple[tuple[str, int, int, float], ...]  # (dtype "fp32"|"bf16", tokens M, width K=N, TFLOP/s)
+    memory_gbs: float  # a large device copy, read + write bytes per second
+    links: tuple[tuple[str, float, float], ...]  # (link "intra"|"inter"|"nic", GB/s per rank, latency s)
+    comm_overlap: float  # fraction of overlappable communication hidden behind compute, as measured
+    host_link_gbs: float | None  # pinned host<->device copy; None where the device is the host (CPU)
+    optimizer_params_per_s: float  # the engines' own optimizer (torch AdamW) on this device
+    cpu_adam_params_per_s: float  # the offload path's CPU Adam (DeepSpeed's, or torch's AdamW)
+
+    def link(self, name: str) -> tuple[float, float] | None:
+        """(GB/s, latency s) of a measured link, None when calibrate did not measure it."""
+        return next(((gbs, latency) for link, gbs, latency in self.links if link == name), None)
+
+
+@dataclass(frozen=True, kw_only=True)
 class GPU:
     name: str
     memory_gib: float
@@ -21,6 +39,7 @@ class GPU:
     intra_node_gbs: float  # NVLink / xGMI / PCIe peer bandwidth, one direction
     inter_node_gbs: float  # typical network per GPU in clusters of this GPU (IB / RoCE / Ethernet)
     host_link_gbs: float  # PCIe to host RAM: the offload path
+    measured: MeasuredRates | None = None  # set for a calibrated device profile; None = datasheet figures
 
     @property
     def memory_bytes(self) -> int:
