@@ -211,8 +211,8 @@ def _profile(model, regime, attention, lora, device) -> Profile:
             add(f"{label}.held_by_int8_linear", dtype * width)
 
     family = model.family
-    # Attention half.
-    out_dtype = norm("input_norm")
+    # Attention half. BERT is post-norm: no input norm, the q/k/v linears keep the last LayerNorm's output.
+    out_dtype = (4 if regime == "autocast" else d) if family == "bert" else norm("input_norm")
     gpt_like = family in ("gpt2", "bert")
     # SDPA runs a fused kernel (flash / memory-efficient) except on CPU with attention dropout, where
     # it falls back to the math path that materialises the scores like eager attention does.
@@ -257,9 +257,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
         consumed("attn.output_contiguous", qd, d, [o_name], already_saved=True)
     if drop:
         add("attn.resid_dropout_mask", mask * h)
-    if family == "bert":
-        add("attn.dense_dropout_ln_input", res * h)
-    # MLP half.
+    # MLP half (BERT: post_attention_norm is BertSelfOutput's LayerNorm(dropout(dense) + input)).
     if family == "gemma2":
         norm("post_attention_norm")
         norm("pre_feedforward_norm")
@@ -296,12 +294,10 @@ def _profile(model, regime, attention, lora, device) -> Profile:
         add("mlp.act", mm * inter)
         add("mlp.up", mm * inter)
         consumed("mlp.act_x_up", inter, mm, ["down_proj"])
-    if family == "gemma2":
-        norm("post_feedforward_norm")
+    if family in ("gemma2", "bert"):  # BERT: BertOutput's LayerNorm(dropout(dense) + attention output)
+        norm("post_feedforward_norm" if family == "gemma2" else "output_norm")
     if drop:
         add("mlp.resid_dropout_mask", mask * h)
-    if family == "bert":
-        add("mlp.ln_input", res * h)
 
     block = sum(i[1] for i in items)
     block_quad = sum(i[2] for i in items)
@@ -313,14 +309,21 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     if family != "bert":
         out_dtype = norm("final_norm")
         consumed("final_norm.out", h, out_dtype, ["lm_head"])
+    else:
+        _bert_mlm_head(add, consumed, h, d, device, regime)
     if trains:
         add("embedding.input_ids", 8)
+    if family == "bert":
+        norm("embedding.norm")  # BertEmbeddings' LayerNorm(word + position + token type)
     if drop:
         add("embedding.dropout_mask", mask_res * h)
     if family == "gemma2":
         add("logits.softcap_tanh", d * vocab)
-    add("loss.log_softmax_fp32", 4 * vocab)
-    add("loss.shifted_labels", 8)
+    if family == "bert":  # BertForMaskedLM: CrossEntropyLoss on the logits as they are, labels unshifted
+        add("loss.log_softmax", (4 if regime == "autocast" else d) * vocab)
+    else:
+        add("loss.log_softmax_fp32", 4 * vocab)
+        add("loss.shifted_labels", 8)
     head = sum(i[1] for i in head_items)
 
     p = Profile()
@@ -336,7 +339,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
                         if not (model.num_experts and name in ("gate_proj", "up_proj", "down_proj")))
     block_weights += h * model.num_experts  # the router
     p.weight_copies = 2 * block_weights if autocast_copies else 0
-    p.head_weight_copy = 2 * vocab * h if autocast_copies else 0
+    p.head_weight_copy = 2 * (vocab * h + (h * h if family == "bert" else 0)) if autocast_copies else 0  # + MLM dense
     if quant and regime == "autocast":
         # Source: torch.autocast caches the 16-bit copies of the trainable adapters, which each LoRA
         # linear saves; the frozen fp32 head (peft's upcast) is cast per call and its copy saved for the
@@ -353,6 +356,16 @@ def _profile(model, regime, attention, lora, device) -> Profile:
            "input_norm.out.held_by_int8_linear")
     p.first_block_discount = sum(per for label, per, _ in block_items if label in own) if lora else 0
     return p
+
+
+def _bert_mlm_head(add, consumed, h: int, d: int, device: str, regime: str) -> None:
+    """BertLMPredictionHead: dense, gelu, LayerNorm, decoder; CPU autocast leaves layer_norm 16-bit, CUDA's casts to fp32."""
+    consumed("last_norm.out", h, 4 if regime == "autocast" else d, ["dense"])
+    add("mlm.gelu_input", d * h)
+    cuda_fp32 = device == "cuda" and regime == "autocast"
+    add("mlm.norm_input", (4 if cuda_fp32 else d) * h)
+    add("mlm.norm_mean_rstd", 8 if device == "cuda" else 2 * d)
+    consumed("mlm.norm_out", h, 4 if cuda_fp32 else d, ["decoder"])
 
 
 def checkpointed_blocks(num_layers: int, every: int) -> int:
