@@ -106,3 +106,33 @@ def test_traced_activations_with_lora_equal_a_real_forward(configs, precision):
     est = estimate(plan, device="cpu", explain=True)
     predicted = est.term("activations.blocks").bytes + est.term("activations.head").bytes
     assert abs(predicted - measured) <= 64, (predicted, measured)
+
+
+SLIDING = {"qwen3": {"use_sliding_window": True, "max_window_layers": 1,
+                     "layer_types": ["full_attention", "sliding_attention"]},  # one full, one sliding layer
+           "gemma3_text": {}, "starcoder2": {}}
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", sorted(SLIDING))
+def test_sequences_longer_than_the_sliding_window(model_type, attention, tmp_path, monkeypatch):
+    """A window of 300 lies above every traced length (64-256): a 384-token step builds the sliding
+    mask and hands it to SDPA (instead of is_causal), which the trace below the window never saw;
+    the coefficients traced beyond the window must equal that real forward, and those below it a
+    200-token one."""
+    from shardfit.estimate.derived import window_of
+
+    monkeypatch.setenv("SHARDFIT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**tiny_config(model_type), "sliding_window": 300, **SLIDING[model_type]}))
+    spec = load_model_spec(str(path))
+    assert spec.derived and window_of(spec) == 300
+    torch.manual_seed(0)
+    model = build_model(str(path), dtype="fp32", attn_implementation=attention)
+    for s in (200, 384):
+        plan = Plan(model=spec, strategy=parse_strategy("ddp"), cluster=Cluster(gpus_per_node=1),
+                    training=Training(micro_batch=2, seq_len=s, precision="fp32", attention=attention))
+        est = estimate(plan, device="cpu", explain=True)
+        predicted = est.term("activations.blocks").bytes + est.term("activations.head").bytes
+        measured = autograd_saved_bytes(model, "fp32", b=2, s=s)
+        assert abs(predicted - measured) <= 64, (s, predicted, measured)

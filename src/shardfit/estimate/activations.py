@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shardfit.estimate.derived import load_coefficients
+from shardfit.estimate.derived import load_coefficients, window_of
 from shardfit.estimate.states import DTYPE_BYTES
 from shardfit.estimate.states import block_linears as _linears
 from shardfit.estimate.states import lora_adapter_params, model_linears
@@ -44,19 +44,19 @@ class Profile:
         self.source = "Korthikanti et al. 2022 adapted to the HF block (see activations.py)"
 
 
-def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda") -> Profile:
+def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda", seq: int = 0) -> Profile:
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
-    if model.derived:
-        return _derived_profile(model, regime, attention, key_lora, device)
+    if model.derived:  # a sequence longer than a sliding window runs other code (derived.window_of)
+        return _derived_profile(model, regime, attention, key_lora, device, seq > (window_of(model) or seq))
     return _profile(model, regime, attention, key_lora, device)
 
 
 @lru_cache(maxsize=256)
-def _derived_profile(model, regime, attention, lora, device) -> Profile:
+def _derived_profile(model, regime, attention, lora, device, beyond_window=False) -> Profile:
     """Coefficients traced from the model's own forward (estimate/derived.py, cached on disk), with
     the temporaries the trace does not see (loss, backward working set) from the shapes, as below.
     NOTE: the trace runs CPU kernels; only dropout masks differ on CUDA (bool there)."""
-    c = load_coefficients(model, regime, attention, lora)
+    c = load_coefficients(model, regime, attention, lora, beyond_window)
     counts = [count for _, count, _ in model.block_kinds]
     layers = max(sum(counts), 1)
 

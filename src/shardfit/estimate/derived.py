@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import contextmanager
 from fractions import Fraction
+from functools import lru_cache
 
 from shardfit import sac
 from shardfit.errors import ShardfitError
@@ -66,12 +67,38 @@ def evaluate(coef: dict, b: int, s: int) -> float:
                  + coef["per_position_s"] * s * s + coef["per_sample"] * b + coef["const"])
 
 
-def trace_coefficients(cfg: dict, facts: dict, regime: str, attention: str, lora: tuple | None) -> dict:
+def sliding_window(cfg: dict) -> int | None:
+    """The sliding window of a config whose layers use one (Mistral: every layer; Gemma-2/3, Qwen3 with
+    use_sliding_window: the `sliding_attention` layer types), else None."""
+    for part in (cfg, cfg.get("text_config") or {}):
+        window = part.get("sliding_window")
+        if isinstance(window, int) and window > 0 and part.get("use_sliding_window", True) is not False:
+            types = part.get("layer_types")
+            if not types or any("sliding" in str(kind) for kind in types):
+                return window
+    return None
+
+
+def _window_below(cfg: dict, length: int) -> dict:
+    """Overrides that put the sliding window below every traced length. NOTE: a window shorter than
+    the sequence is what changes the code path (transformers then builds the sliding mask and SDPA
+    gets it instead of is_causal); its exact width only changes which scores are masked."""
+    window = max(1, length // 2)
+    overrides = {"sliding_window": window} if isinstance(cfg.get("sliding_window"), int) else {}
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and isinstance(text.get("sliding_window"), int):
+        overrides["text_config"] = {**text, "sliding_window": window}
+    return overrides
+
+
+def trace_coefficients(cfg: dict, facts: dict, regime: str, attention: str, lora: tuple | None,
+                       beyond_window: bool = False) -> dict:
     """Traced coefficients (floats) of every part: {"kinds": [..per block kind..], "pre", "post",
-    "first_extra", "weight_copies": {"kinds": [...], "head": n}, "check_error", "experts"}."""
+    "first_extra", "weight_copies": {"kinds": [...], "head": n}, "check_error", "experts"}.
+    beyond_window: traced at sequences longer than the sliding window (what a longer run runs)."""
     try:
         with quiet():
-            return _trace(cfg, facts, regime, attention, lora)
+            return _trace(cfg, facts, regime, attention, lora, beyond_window)
     except _DataDependent as exc:
         raise ShardfitError(f"{cfg.get('model_type')}: the forward cannot be traced on fake tensors ({exc}); "
                             f"plan it as a states-only model with --params, or pass a factory 'pkg.module:fn'") from None
@@ -100,13 +127,16 @@ def _grouped_mm_on_fake_tensors():
         moe._can_use_grouped_mm = original
 
 
-def _trace(cfg, facts, regime, attention, lora) -> dict:
+def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     dtype = torch.bfloat16 if regime == "half" else torch.float32
+    base = trace_sequence_base(facts.get("max_position") or 0)
     overrides = dict(facts.get("overrides") or {})
+    if beyond_window:
+        overrides.update(_window_below({**cfg, **overrides}, base))
     model = build_hf_model(cfg, device="meta", dtype=dtype, attn_implementation=attention, overrides=overrides)
     blocks = find_blocks(model)
     kinds = facts["kinds"]
@@ -122,7 +152,6 @@ def _trace(cfg, facts, regime, attention, lora) -> dict:
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 0)
     if not vocab:
         raise ShardfitError(f"{cfg.get('model_type')}: tracing needs a model with a vocabulary (input_ids and labels)")
-    base = trace_sequence_base(facts.get("max_position") or 0)
     points = [(b, s * base) for s in (1, 2, 3) for b in (1, 2)] + [(3, 4 * base)]
     autocast = regime == "autocast"
 
@@ -243,17 +272,29 @@ def _lora_key(lora) -> str:
     return "none" if lora is None else f"r{lora[0]}:{','.join(lora[1])}:{lora[2]}"
 
 
-def load_coefficients(spec, regime: str, attention: str, lora) -> dict:
-    """The cached coefficients of a derived spec, tracing (torch) on a miss."""
-    entry = spec_cache.read_entry(spec.config_hash) if spec.config_hash else None
-    if entry is None:
-        entry = _entry_from_source(spec)
-    key = f"{regime}|{attention}|{_lora_key(lora)}"
+def load_coefficients(spec, regime: str, attention: str, lora, beyond_window: bool = False) -> dict:
+    """The cached coefficients of a derived spec, tracing (torch) on a miss. beyond_window: the set
+    for sequences longer than the model's sliding window (see window_of)."""
+    entry = _entry(spec)
+    key = f"{regime}|{attention}|{_lora_key(lora)}" + ("|beyond-window" if beyond_window else "")
     coefficients = entry.setdefault("coefficients", {})
     if key not in coefficients:
-        coefficients[key] = trace_coefficients(entry["config"], entry["facts"], regime, attention, lora)
+        coefficients[key] = trace_coefficients(entry["config"], entry["facts"], regime, attention, lora, beyond_window)
         spec_cache.write_entry(spec.config_hash, entry)
     return coefficients[key]
+
+
+@lru_cache(maxsize=256)
+def window_of(spec) -> int | None:
+    """The sliding window of a derived spec's config (None: no layer slides). A sequence longer than
+    it runs other code (the sliding mask materialised, SDPA given it instead of is_causal): the
+    estimate then takes the coefficients traced beyond the window."""
+    return sliding_window(_entry(spec)["config"])
+
+
+def _entry(spec) -> dict:
+    entry = spec_cache.read_entry(spec.config_hash) if spec.config_hash else None
+    return entry if entry is not None else _entry_from_source(spec)
 
 
 def _source_config(spec, why: str) -> dict:
@@ -277,4 +318,4 @@ def _entry_from_source(spec) -> dict:
     return derived_entry(cfg, spec.name, spec.source)
 
 
-__all__ = ["load_coefficients", "trace_coefficients", "evaluate"]
+__all__ = ["load_coefficients", "trace_coefficients", "evaluate", "window_of", "sliding_window"]

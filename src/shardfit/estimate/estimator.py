@@ -119,7 +119,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     tokens, seq = t.micro_batch * t.seq_len, t.seq_len
     regime = _regime(precision, kind, lora)
     if model.has_shape:
-        prof = act.activation_profile(model, regime, t.attention, lora, device)
+        prof = act.activation_profile(model, regime, t.attention, lora, device, seq=seq)
         every = _every(t.activation_checkpointing)
         n_ckpt = act.checkpointed_blocks(model.num_layers, every)
         kept = (sel.selective_kept(model, regime, t.attention, lora, device)
