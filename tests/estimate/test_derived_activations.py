@@ -136,3 +136,32 @@ def test_sequences_longer_than_the_sliding_window(model_type, attention, tmp_pat
         predicted = est.term("activations.blocks").bytes + est.term("activations.head").bytes
         measured = autograd_saved_bytes(model, "fp32", b=2, s=s)
         assert abs(predicted - measured) <= 64, (s, predicted, measured)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", ["bloom", "opt"])
+def test_forward_split_equals_a_real_step(configs, model_type, precision):
+    """The forward phase's activations and temporaries as the tracker files them in a real one-process
+    step. Bloom's fp32 forward peaks inside the last block's gelu (four b·s·I intermediates, ALiBi and
+    the 4-D mask alive, the block's later saved tensors not yet made), which only the traced instants
+    (estimate/forward_timeline.py) see; OPT's peaks at the loss."""
+    import shardfit
+
+    spec = load_model_spec(configs[model_type])
+    plan = Plan(model=spec, strategy=parse_strategy("single"), cluster=Cluster(gpus_per_node=1),
+                training=Training(micro_batch=2, seq_len=64, precision=precision))
+    predicted = estimate(plan, device="cpu").phases["forward"]
+    torch.manual_seed(0)
+    model = build_model(configs[model_type], dtype="fp32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    ids = torch.randint(0, spec.vocab_size, (2, 64))
+    with shardfit.profile(model, optimizer) as prof:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    measured = prof.report().phases["forward"]
+    for category in ("activations", "temporaries"):
+        assert predicted[category] == pytest.approx(measured[category], rel=0.05), (category, predicted, measured)

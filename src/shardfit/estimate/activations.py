@@ -10,12 +10,10 @@ what HF transformers 5 blocks save (modeling_llama / mixtral / gpt2, integration
   logsumexp per head and row; the transposed output reuses the same storage. Eager attention saves
   q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy (b*a*s^2 each), and a
   contiguous copy of the output.
-- SwiGLU saves gate, silu(gate), up and their product; GPT-2's gelu_new is composite and saves four
-  intermediates; MoE saves, per routed token, the gathered input, gate_up, act, product and expert
-  output, plus the fp32 router softmax.
+- SwiGLU saves gate, silu(gate), up and their product; GPT-2's gelu_new saves four intermediates; MoE
+  saves per routed token the gathered input, gate_up, act, product, expert output, fp32 router softmax.
 - Under DDP autocast the residual stream stays fp32 and each linear saves its own 16-bit cast.
-Bytes are per token (b*s) unless named per position; `quad` terms multiply by s once more.
-"""
+Bytes are per token (b*s) unless named per position; `quad` terms multiply by s once more."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -35,13 +33,14 @@ class Profile:
                  "loss_fwd_temp", "loss_bwd_temp", "bwd_work", "bwd_work_quad", "attn_fwd_temp_quad",
                  "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "block_const", "head_const",
                  "first_block_discount", "block_per_position", "block_per_position_quad", "block_per_sample",
-                 "head_quad", "head_per_position_quad", "head_per_sample", "source")
+                 "head_quad", "head_per_position_quad", "head_per_sample", "source", "forward_inside")
 
     def __init__(self):
         # Terms only traced profiles have (broadcast position tables and masks, per-sequence tensors).
         self.block_per_position = self.block_per_position_quad = self.block_per_sample = 0
         self.head_quad = self.head_per_position_quad = self.head_per_sample = 0
         self.source = "Korthikanti et al. 2022 adapted to the HF block (see activations.py)"
+        self.forward_inside = None  # traced: the block kinds and their peak instants (forward_timeline.py)
 
 
 def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda", seq: int = 0) -> Profile:
@@ -83,6 +82,7 @@ def _derived_profile(model, regime, attention, lora, device, beyond_window=False
     p.weight_copies = sum(n * w for n, w in zip(counts, c["weight_copies"]["kinds"])) / layers
     p.head_weight_copy = c["weight_copies"]["head"]
     p.first_block_discount = 0  # the trace measured block 0 as it is (first_extra)
+    p.forward_inside = (tuple(c["kinds"]), tuple(c["forward_inside"])) if c.get("forward_inside") else None
     _shape_terms(p, model, regime, attention, lora)
     return p
 

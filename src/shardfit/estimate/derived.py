@@ -28,6 +28,7 @@ from functools import lru_cache
 
 from shardfit import sac
 from shardfit.errors import ShardfitError
+from shardfit.estimate.forward_timeline import Timeline, peak_instants
 from shardfit.estimate.traced import _masks_as_in_eager, _materialize, _storage_key
 from shardfit.spec import spec_cache
 from shardfit.spec.derive import build_hf_model, find_blocks, quiet
@@ -160,11 +161,10 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
         counts per block what per-op selective checkpointing would keep (shardfit/sac.py's policy
         applied to the same ops in the same order)."""
 
-        def __init__(self, params):
+        def __init__(self, params, timeline):
             super().__init__()
-            self.params, self.casts = params, set()
-            self.kept: dict = {}  # part -> {storage key: bytes}
-            self.held: list = []
+            self.params, self.casts, self.timeline = params, set(), timeline
+            self.kept: dict = {}  # part -> {(storage key, creating op): bytes}
             self.counts: dict = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -172,17 +172,18 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             if func is torch.ops.aten._to_copy.default and args and _storage_key(args[0]) in self.params:
                 self.casts.add(_storage_key(out))
             part = state["part"]
+            outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+            self.timeline.op(part, outputs, str(func))
             if isinstance(part, int) and sac.keeps(func, self.counts.setdefault(part, defaultdict(int))):
-                for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
-                    if isinstance(tensor, torch.Tensor):
-                        self.kept.setdefault(part, {})[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
-                        # NOTE: held, as SAC's cache holds it: a freed storage's key could be reused.
-                        self.held.append(tensor)
+                for tensor in outputs:
+                    # NOTE: keyed by storage and the op that created it: a freed storage's key is reused.
+                    self.kept.setdefault(part, {})[self.timeline.lifetime(tensor)] = tensor.untyped_storage().nbytes()
             return out
 
     measured: dict = {}
     kept: dict = {}
     copies: dict = {}
+    instants: dict = {}  # (b, s) -> {block index: [(saved, temporaries) per op]}
     with FakeTensorMode(allow_non_fake_inputs=True):
         _materialize(model)
         params = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
@@ -201,7 +202,8 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             state["part"] = "pre"
             # Only autocast's casts are weight copies: a 16-bit model's own fp32 casts (Gemma's
             # 1 + weight) are ordinary saved tensors.
-            recorder = Recorder(params if autocast else set())
+            timeline = Timeline(_storage_key, params)
+            recorder = Recorder(params if autocast else set(), timeline)
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
                 with (_masks_as_in_eager(), _grouped_mm_on_fake_tensors(),
@@ -219,14 +221,16 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
                 target = weight if key in recorder.casts else parts
                 target[part] = target.get(part, 0) + nbytes
             measured[(b, s)] = parts
+            instants[(b, s)] = {part: timeline.block_instants(part, saved, recorder.casts) for part in timeline.blocks}
             kept[(b, s)] = {part: sum(sizes.values()) for part, sizes in recorder.kept.items()}
             copies = weight
             keep.clear()
     return _coefficients(measured, kept, copies, kinds, points,
-                         getattr(model.config, "_experts_implementation", None) or "")
+                         getattr(model.config, "_experts_implementation", None) or "", instants)
 
 
-def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str) -> dict:
+def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str,
+                  instants: dict) -> dict:
     fit_points, check = points[:-1], points[-1]
 
     def solve(part, table=measured):
@@ -255,6 +259,11 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
             "first_extra": as_float(extra), "check_error": error, "experts": experts,
             # What per-op selective checkpointing keeps in each kind's block (beyond its input).
             "selective_kinds": [as_float(solve(last[k], kept)) for k in range(n_kinds)],
+            # The peak instants inside each kind's block, split as the tracker files them.
+            "forward_inside": [[{name: as_float(c) for name, c in instant.items()} for instant in
+                                peak_instants({p: instants[p][last[k]] for p in points}, fit_points, check,
+                                              _solve, evaluate)]
+                               for k in range(n_kinds)],
             "weight_copies": {"kinds": [float(copies.get(last[k], 0)) for k in range(n_kinds)],
                               "head": float(sum(v for p, v in copies.items() if not isinstance(p, int)))}}
 
