@@ -31,6 +31,7 @@ class Timeline:
         self.done: list = []
         self.blocks: dict = {}  # part -> [first op, last op]
         self.labels: dict = {}  # part -> ["aten op#n" per op]: the same instant at every shape
+        self._seen: dict = {}  # part -> {op: times run}
 
     def op(self, part, outputs, name: str = "") -> None:
         """After op `name` ran in `part` ("pre", a block index, "post"): record its new output storages."""
@@ -38,8 +39,9 @@ class Timeline:
         if isinstance(part, int):
             span = self.blocks.setdefault(part, [self.t, self.t])
             span[1] = self.t
-            labels = self.labels.setdefault(part, [])
-            labels.append(f"{name}#{sum(1 for label in labels if label.startswith(name + '#'))}")
+            seen = self._seen.setdefault(part, {})
+            seen[name] = seen.get(name, -1) + 1
+            self.labels.setdefault(part, []).append(f"{name}#{seen[name]}")
         for tensor in outputs:
             key = self.key(tensor)
             if key in self.skip:
