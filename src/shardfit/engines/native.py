@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from shardfit.engines import quantized_state
 from shardfit.engines.base import DistContext, Engine, to_device
 from shardfit.spec.plan import Plan
 
@@ -18,6 +19,7 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     """sync(enabled) is a context manager that turns gradient synchronisation on or off for one
     micro-batch; clip(max_norm) clips and returns the global gradient norm."""
     accum = plan.training.grad_accum
+    quantized = quantized_state.is_quantized(plan)
     grad_clip = plan.schedule.grad_clip
 
     def forward_backward(batch: dict, last: bool):
@@ -51,11 +53,15 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
         optimizer.zero_grad(set_to_none=True)
 
     def save(directory: Path) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
 
         from shardfit.engines.dcp_io import save_with_checksums
 
-        msd, osd = get_state_dict(model, optimizer, options=dcp_options)
+        if quantized:
+            msd = quantized_state.model_state_dict(model)
+            osd = get_optimizer_state_dict(model, optimizer, options=dcp_options)
+        else:
+            msd, osd = get_state_dict(model, optimizer, options=dcp_options)
         return save_with_checksums({"model": msd, "optim": osd}, Path(directory) / "dcp")
 
     def save_async(directory: Path):
@@ -68,13 +74,22 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
 
     def load(directory: Path):
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_state_dict,
+                                                             set_optimizer_state_dict, set_state_dict)
 
         from shardfit.engines.dcp_io import SafeMetadataReader
 
+        reader = SafeMetadataReader(str(Path(directory) / "dcp"))
+        if quantized:  # bitsandbytes' extra state-dict keys: see engines/quantized_state.py
+            state = {"model": quantized_state.load_targets(model, directory, reader),
+                     "optim": get_optimizer_state_dict(model, optimizer, options=dcp_options)}
+            dcp.load(state, storage_reader=reader)
+            quantized_state.load_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=dcp_options)
+            return
         msd, osd = get_state_dict(model, optimizer, options=dcp_options)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=SafeMetadataReader(str(Path(directory) / "dcp")))
+        dcp.load(state, storage_reader=reader)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=dcp_options)
 

@@ -10,17 +10,15 @@ what HF transformers 5 blocks save (modeling_llama / mixtral / gpt2, integration
   logsumexp per head and row; the transposed output reuses the same storage. Eager attention saves
   q, k and v repeated to all heads, the fp32 softmax and its 16-bit copy (b*a*s^2 each), and a
   contiguous copy of the output.
-- SwiGLU saves gate, silu(gate), up and their product; GPT-2's gelu_new is composite and saves four
-  intermediates; MoE saves, per routed token, the gathered input, gate_up, act, product and expert
-  output, plus the fp32 router softmax.
+- SwiGLU saves gate, silu(gate), up and their product; GPT-2's gelu_new saves four intermediates; MoE
+  saves per routed token the gathered input, gate_up, act, product, expert output, fp32 router softmax.
 - Under DDP autocast the residual stream stays fp32 and each linear saves its own 16-bit cast.
-Bytes are per token (b*s) unless named per position; `quad` terms multiply by s once more.
-"""
+Bytes are per token (b*s) unless named per position; `quad` terms multiply by s once more."""
 from __future__ import annotations
 
 from functools import lru_cache
 
-from shardfit.estimate.derived import load_coefficients
+from shardfit.estimate.derived import load_coefficients, window_of
 from shardfit.estimate.states import DTYPE_BYTES
 from shardfit.estimate.states import block_linears as _linears
 from shardfit.estimate.states import lora_adapter_params, model_linears
@@ -35,34 +33,36 @@ class Profile:
                  "loss_fwd_temp", "loss_bwd_temp", "bwd_work", "bwd_work_quad", "attn_fwd_temp_quad",
                  "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "block_const", "head_const",
                  "first_block_discount", "block_per_position", "block_per_position_quad", "block_per_sample",
-                 "head_quad", "head_per_position_quad", "head_per_sample", "source")
+                 "head_quad", "head_per_position_quad", "head_per_sample", "source", "forward_inside")
 
     def __init__(self):
         # Terms only traced profiles have (broadcast position tables and masks, per-sequence tensors).
         self.block_per_position = self.block_per_position_quad = self.block_per_sample = 0
         self.head_quad = self.head_per_position_quad = self.head_per_sample = 0
         self.source = "Korthikanti et al. 2022 adapted to the HF block (see activations.py)"
+        self.forward_inside = None  # traced: the block kinds and their peak instants (forward_timeline.py)
 
 
 def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda",
-                       frozen_linears_save: bool = False) -> Profile:
+                       frozen_linears_save: bool = False, seq: int = 0) -> Profile:
     """frozen_linears_save: the frozen base linears keep their input anyway (DeepSpeed ZeRO-3 replaces
     F.linear with LinearFunctionForZeroStage3, whose setup_context saves input and weight whether or
-    not the weight trains); hand-written families only."""
+    not the weight trains); hand-written families only. seq: a sequence longer than a derived model's
+    sliding window runs other code (derived.window_of)."""
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     if key_lora is not None and frozen_linears_save and not model.derived:
         key_lora += ("linear-inputs-saved",)
     if model.derived:
-        return _derived_profile(model, regime, attention, key_lora, device)
+        return _derived_profile(model, regime, attention, key_lora, device, seq > (window_of(model) or seq))
     return _profile(model, regime, attention, key_lora, device)
 
 
 @lru_cache(maxsize=256)
-def _derived_profile(model, regime, attention, lora, device) -> Profile:
+def _derived_profile(model, regime, attention, lora, device, beyond_window=False) -> Profile:
     """Coefficients traced from the model's own forward (estimate/derived.py, cached on disk), with
     the temporaries the trace does not see (loss, backward working set) from the shapes, as below.
     NOTE: the trace runs CPU kernels; only dropout masks differ on CUDA (bool there)."""
-    c = load_coefficients(model, regime, attention, lora)
+    c = load_coefficients(model, regime, attention, lora, beyond_window)
     counts = [count for _, count, _ in model.block_kinds]
     layers = max(sum(counts), 1)
 
@@ -89,6 +89,7 @@ def _derived_profile(model, regime, attention, lora, device) -> Profile:
     p.weight_copies = sum(n * w for n, w in zip(counts, c["weight_copies"]["kinds"])) / layers
     p.head_weight_copy = c["weight_copies"]["head"]
     p.first_block_discount = 0  # the trace measured block 0 as it is (first_extra)
+    p.forward_inside = (tuple(c["kinds"]), tuple(c["forward_inside"])) if c.get("forward_inside") else None
     _shape_terms(p, model, regime, attention, lora)
     return p
 
@@ -220,8 +221,8 @@ def _profile(model, regime, attention, lora, device) -> Profile:
             add(f"{label}.held_by_int8_linear", dtype * width)
 
     family = model.family
-    # Attention half.
-    out_dtype = norm("input_norm")
+    # Attention half. BERT is post-norm: no input norm, the q/k/v linears keep the last LayerNorm's output.
+    out_dtype = (4 if regime == "autocast" else d) if family == "bert" else norm("input_norm")
     gpt_like = family in ("gpt2", "bert")
     # SDPA runs a fused kernel (flash / memory-efficient) except on CPU with attention dropout, where
     # it falls back to the math path that materialises the scores like eager attention does.
@@ -266,9 +267,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
         consumed("attn.output_contiguous", qd, d, [o_name], already_saved=True)
     if drop:
         add("attn.resid_dropout_mask", mask * h)
-    if family == "bert":
-        add("attn.dense_dropout_ln_input", res * h)
-    # MLP half.
+    # MLP half (BERT: post_attention_norm is BertSelfOutput's LayerNorm(dropout(dense) + input)).
     if family == "gemma2":
         norm("post_attention_norm")
         norm("pre_feedforward_norm")
@@ -305,12 +304,10 @@ def _profile(model, regime, attention, lora, device) -> Profile:
         add("mlp.act", mm * inter)
         add("mlp.up", mm * inter)
         consumed("mlp.act_x_up", inter, mm, ["down_proj"])
-    if family == "gemma2":
-        norm("post_feedforward_norm")
+    if family in ("gemma2", "bert"):  # BERT: BertOutput's LayerNorm(dropout(dense) + attention output)
+        norm("post_feedforward_norm" if family == "gemma2" else "output_norm")
     if drop:
         add("mlp.resid_dropout_mask", mask * h)
-    if family == "bert":
-        add("mlp.ln_input", res * h)
 
     block = sum(i[1] for i in items)
     block_quad = sum(i[2] for i in items)
@@ -322,14 +319,21 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     if family != "bert":
         out_dtype = norm("final_norm")
         consumed("final_norm.out", h, out_dtype, ["lm_head"])
+    else:
+        _bert_mlm_head(add, consumed, h, d, device, regime)
     if trains:
         add("embedding.input_ids", 8)
+    if family == "bert":
+        norm("embedding.norm")  # BertEmbeddings' LayerNorm(word + position + token type)
     if drop:
         add("embedding.dropout_mask", mask_res * h)
     if family == "gemma2":
         add("logits.softcap_tanh", d * vocab)
-    add("loss.log_softmax_fp32", 4 * vocab)
-    add("loss.shifted_labels", 8)
+    if family == "bert":  # BertForMaskedLM: CrossEntropyLoss on the logits as they are, labels unshifted
+        add("loss.log_softmax", (4 if regime == "autocast" else d) * vocab)
+    else:
+        add("loss.log_softmax_fp32", 4 * vocab)
+        add("loss.shifted_labels", 8)
     head = sum(i[1] for i in head_items)
 
     p = Profile()
@@ -345,7 +349,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
                         if not (model.num_experts and name in ("gate_proj", "up_proj", "down_proj")))
     block_weights += h * model.num_experts  # the router
     p.weight_copies = 2 * block_weights if autocast_copies else 0
-    p.head_weight_copy = 2 * vocab * h if autocast_copies else 0
+    p.head_weight_copy = 2 * (vocab * h + (h * h if family == "bert" else 0)) if autocast_copies else 0  # + MLM dense
     if quant and regime == "autocast":
         # Source: torch.autocast caches the 16-bit copies of the trainable adapters, which each LoRA
         # linear saves; the frozen fp32 head (peft's upcast) is cast per call and its copy saved for the
@@ -362,6 +366,16 @@ def _profile(model, regime, attention, lora, device) -> Profile:
            "input_norm.out.held_by_int8_linear")
     p.first_block_discount = sum(per for label, per, _ in block_items if label in own) if lora else 0
     return p
+
+
+def _bert_mlm_head(add, consumed, h: int, d: int, device: str, regime: str) -> None:
+    """BertLMPredictionHead: dense, gelu, LayerNorm, decoder; CPU autocast leaves layer_norm 16-bit, CUDA's casts to fp32."""
+    consumed("last_norm.out", h, 4 if regime == "autocast" else d, ["dense"])
+    add("mlm.gelu_input", d * h)
+    cuda_fp32 = device == "cuda" and regime == "autocast"
+    add("mlm.norm_input", (4 if cuda_fp32 else d) * h)
+    add("mlm.norm_mean_rstd", 8 if device == "cuda" else 2 * d)
+    consumed("mlm.norm_out", h, 4 if cuda_fp32 else d, ["decoder"])
 
 
 def checkpointed_blocks(num_layers: int, every: int) -> int:

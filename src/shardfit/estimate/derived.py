@@ -24,9 +24,11 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import contextmanager
 from fractions import Fraction
+from functools import lru_cache
 
 from shardfit import sac
 from shardfit.errors import ShardfitError
+from shardfit.estimate.forward_timeline import Timeline, peak_instants
 from shardfit.estimate.traced import _masks_as_in_eager, _materialize, _storage_key
 from shardfit.spec import spec_cache
 from shardfit.spec.derive import build_hf_model, find_blocks, quiet
@@ -66,12 +68,38 @@ def evaluate(coef: dict, b: int, s: int) -> float:
                  + coef["per_position_s"] * s * s + coef["per_sample"] * b + coef["const"])
 
 
-def trace_coefficients(cfg: dict, facts: dict, regime: str, attention: str, lora: tuple | None) -> dict:
+def sliding_window(cfg: dict) -> int | None:
+    """The sliding window of a config whose layers use one (Mistral: every layer; Gemma-2/3, Qwen3 with
+    use_sliding_window: the `sliding_attention` layer types), else None."""
+    for part in (cfg, cfg.get("text_config") or {}):
+        window = part.get("sliding_window")
+        if isinstance(window, int) and window > 0 and part.get("use_sliding_window", True) is not False:
+            types = part.get("layer_types")
+            if not types or any("sliding" in str(kind) for kind in types):
+                return window
+    return None
+
+
+def _window_below(cfg: dict, length: int) -> dict:
+    """Overrides that put the sliding window below every traced length. NOTE: a window shorter than
+    the sequence is what changes the code path (transformers then builds the sliding mask and SDPA
+    gets it instead of is_causal); its exact width only changes which scores are masked."""
+    window = max(1, length // 2)
+    overrides = {"sliding_window": window} if isinstance(cfg.get("sliding_window"), int) else {}
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and isinstance(text.get("sliding_window"), int):
+        overrides["text_config"] = {**text, "sliding_window": window}
+    return overrides
+
+
+def trace_coefficients(cfg: dict, facts: dict, regime: str, attention: str, lora: tuple | None,
+                       beyond_window: bool = False) -> dict:
     """Traced coefficients (floats) of every part: {"kinds": [..per block kind..], "pre", "post",
-    "first_extra", "weight_copies": {"kinds": [...], "head": n}, "check_error", "experts"}."""
+    "first_extra", "weight_copies": {"kinds": [...], "head": n}, "check_error", "experts"}.
+    beyond_window: traced at sequences longer than the sliding window (what a longer run runs)."""
     try:
         with quiet():
-            return _trace(cfg, facts, regime, attention, lora)
+            return _trace(cfg, facts, regime, attention, lora, beyond_window)
     except _DataDependent as exc:
         raise ShardfitError(f"{cfg.get('model_type')}: the forward cannot be traced on fake tensors ({exc}); "
                             f"plan it as a states-only model with --params, or pass a factory 'pkg.module:fn'") from None
@@ -100,13 +128,16 @@ def _grouped_mm_on_fake_tensors():
         moe._can_use_grouped_mm = original
 
 
-def _trace(cfg, facts, regime, attention, lora) -> dict:
+def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     dtype = torch.bfloat16 if regime == "half" else torch.float32
+    base = trace_sequence_base(facts.get("max_position") or 0)
     overrides = dict(facts.get("overrides") or {})
+    if beyond_window:
+        overrides.update(_window_below({**cfg, **overrides}, base))
     model = build_hf_model(cfg, device="meta", dtype=dtype, attn_implementation=attention, overrides=overrides)
     blocks = find_blocks(model)
     kinds = facts["kinds"]
@@ -122,7 +153,6 @@ def _trace(cfg, facts, regime, attention, lora) -> dict:
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 0)
     if not vocab:
         raise ShardfitError(f"{cfg.get('model_type')}: tracing needs a model with a vocabulary (input_ids and labels)")
-    base = trace_sequence_base(facts.get("max_position") or 0)
     points = [(b, s * base) for s in (1, 2, 3) for b in (1, 2)] + [(3, 4 * base)]
     autocast = regime == "autocast"
 
@@ -131,11 +161,10 @@ def _trace(cfg, facts, regime, attention, lora) -> dict:
         counts per block what per-op selective checkpointing would keep (shardfit/sac.py's policy
         applied to the same ops in the same order)."""
 
-        def __init__(self, params):
+        def __init__(self, params, timeline):
             super().__init__()
-            self.params, self.casts = params, set()
-            self.kept: dict = {}  # part -> {storage key: bytes}
-            self.held: list = []
+            self.params, self.casts, self.timeline = params, set(), timeline
+            self.kept: dict = {}  # part -> {(storage key, creating op): bytes}
             self.counts: dict = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -143,17 +172,18 @@ def _trace(cfg, facts, regime, attention, lora) -> dict:
             if func is torch.ops.aten._to_copy.default and args and _storage_key(args[0]) in self.params:
                 self.casts.add(_storage_key(out))
             part = state["part"]
+            outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+            self.timeline.op(part, outputs, str(func))
             if isinstance(part, int) and sac.keeps(func, self.counts.setdefault(part, defaultdict(int))):
-                for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
-                    if isinstance(tensor, torch.Tensor):
-                        self.kept.setdefault(part, {})[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
-                        # NOTE: held, as SAC's cache holds it: a freed storage's key could be reused.
-                        self.held.append(tensor)
+                for tensor in outputs:
+                    # NOTE: keyed by storage and the op that created it: a freed storage's key is reused.
+                    self.kept.setdefault(part, {})[self.timeline.lifetime(tensor)] = tensor.untyped_storage().nbytes()
             return out
 
     measured: dict = {}
     kept: dict = {}
     copies: dict = {}
+    instants: dict = {}  # (b, s) -> {block index: [(saved, temporaries) per op]}
     with FakeTensorMode(allow_non_fake_inputs=True):
         _materialize(model)
         params = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
@@ -172,7 +202,8 @@ def _trace(cfg, facts, regime, attention, lora) -> dict:
             state["part"] = "pre"
             # Only autocast's casts are weight copies: a 16-bit model's own fp32 casts (Gemma's
             # 1 + weight) are ordinary saved tensors.
-            recorder = Recorder(params if autocast else set())
+            timeline = Timeline(_storage_key, params)
+            recorder = Recorder(params if autocast else set(), timeline)
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
                 with (_masks_as_in_eager(), _grouped_mm_on_fake_tensors(),
@@ -190,14 +221,16 @@ def _trace(cfg, facts, regime, attention, lora) -> dict:
                 target = weight if key in recorder.casts else parts
                 target[part] = target.get(part, 0) + nbytes
             measured[(b, s)] = parts
+            instants[(b, s)] = {part: timeline.block_instants(part, saved, recorder.casts) for part in timeline.blocks}
             kept[(b, s)] = {part: sum(sizes.values()) for part, sizes in recorder.kept.items()}
             copies = weight
             keep.clear()
     return _coefficients(measured, kept, copies, kinds, points,
-                         getattr(model.config, "_experts_implementation", None) or "")
+                         getattr(model.config, "_experts_implementation", None) or "", instants)
 
 
-def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str) -> dict:
+def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str,
+                  instants: dict) -> dict:
     fit_points, check = points[:-1], points[-1]
 
     def solve(part, table=measured):
@@ -226,6 +259,11 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
             "first_extra": as_float(extra), "check_error": error, "experts": experts,
             # What per-op selective checkpointing keeps in each kind's block (beyond its input).
             "selective_kinds": [as_float(solve(last[k], kept)) for k in range(n_kinds)],
+            # The peak instants inside each kind's block, split as the tracker files them.
+            "forward_inside": [[{name: as_float(c) for name, c in instant.items()} for instant in
+                                peak_instants({p: instants[p][last[k]] for p in points}, fit_points, check,
+                                              _solve, evaluate)]
+                               for k in range(n_kinds)],
             "weight_copies": {"kinds": [float(copies.get(last[k], 0)) for k in range(n_kinds)],
                               "head": float(sum(v for p, v in copies.items() if not isinstance(p, int)))}}
 
@@ -245,17 +283,29 @@ def _lora_key(lora) -> str:
     return "none" if lora is None else f"r{lora[0]}:{','.join(lora[1])}:{lora[2]}"
 
 
-def load_coefficients(spec, regime: str, attention: str, lora) -> dict:
-    """The cached coefficients of a derived spec, tracing (torch) on a miss."""
-    entry = spec_cache.read_entry(spec.config_hash) if spec.config_hash else None
-    if entry is None:
-        entry = _entry_from_source(spec)
-    key = f"{regime}|{attention}|{_lora_key(lora)}"
+def load_coefficients(spec, regime: str, attention: str, lora, beyond_window: bool = False) -> dict:
+    """The cached coefficients of a derived spec, tracing (torch) on a miss. beyond_window: the set
+    for sequences longer than the model's sliding window (see window_of)."""
+    entry = _entry(spec)
+    key = f"{regime}|{attention}|{_lora_key(lora)}" + ("|beyond-window" if beyond_window else "")
     coefficients = entry.setdefault("coefficients", {})
     if key not in coefficients:
-        coefficients[key] = trace_coefficients(entry["config"], entry["facts"], regime, attention, lora)
+        coefficients[key] = trace_coefficients(entry["config"], entry["facts"], regime, attention, lora, beyond_window)
         spec_cache.write_entry(spec.config_hash, entry)
     return coefficients[key]
+
+
+@lru_cache(maxsize=256)
+def window_of(spec) -> int | None:
+    """The sliding window of a derived spec's config (None: no layer slides). A sequence longer than
+    it runs other code (the sliding mask materialised, SDPA given it instead of is_causal): the
+    estimate then takes the coefficients traced beyond the window."""
+    return sliding_window(_entry(spec)["config"])
+
+
+def _entry(spec) -> dict:
+    entry = spec_cache.read_entry(spec.config_hash) if spec.config_hash else None
+    return entry if entry is not None else _entry_from_source(spec)
 
 
 def _source_config(spec, why: str) -> dict:
@@ -279,4 +329,4 @@ def _entry_from_source(spec) -> dict:
     return derived_entry(cfg, spec.name, spec.source)
 
 
-__all__ = ["load_coefficients", "trace_coefficients", "evaluate"]
+__all__ = ["load_coefficients", "trace_coefficients", "evaluate", "window_of", "sliding_window"]

@@ -24,6 +24,8 @@ from shardfit.estimate import temporaries as tmp
 from shardfit.estimate import selective as sel
 from shardfit.estimate.accounting import deepspeed_estimator_states, ideal_states
 from shardfit.estimate.buffers import Buffers
+from shardfit.estimate.derived import evaluate
+from shardfit.estimate.forward_timeline import inside_instants
 from shardfit.estimate.result import Estimate, Term
 from shardfit.spec.plan import is_selective_ac, parse_activation_checkpointing
 
@@ -123,7 +125,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         # FSDP1 LoRA: the frozen base weights are views of a FlatParameter that requires grad, so autograd
         # saves what a full fine-tune saves (estimate/lora_sharding.py); a quantized base is not flattened with it.
         acts_lora = None if kind == "fsdp" and lora is not None and lora.base_dtype not in ("nf4", "int8") else lora
-        prof = act.activation_profile(model, regime, t.attention, acts_lora, device, kind == "zero3")
+        prof = act.activation_profile(model, regime, t.attention, acts_lora, device, kind == "zero3", seq=seq)
         every = _every(t.activation_checkpointing)
         n_ckpt = act.checkpointed_blocks(model.num_layers, every)
         kept = (sel.selective_kept(model, regime, t.attention, acts_lora, device)
@@ -148,6 +150,11 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         # the same tensors whose gradients make up its backward working set -- and, where attention
         # materialises scores (eager, or SDPA's math path under dropout), its s^2 tensors.
         fwd_work = 0
+        # Traced instants inside the last block (derived specs, no checkpointing): its saved tensors so
+        # far, and every other live forward tensor (Bloom's gelu intermediates, masks built once).
+        traced_inside = [] if n_ckpt or prof.forward_inside is None else [
+            (a_blocks + a_pre_head + int(delta), int(temps))
+            for delta, temps in inside_instants(*prof.forward_inside, evaluate, t.micro_batch, seq)]
         if n_ckpt == model.num_layers:
             fwd_work = int(tokens * prof.bwd_work + tokens * seq * prof.block_quad)
         if not fwd_work:
@@ -161,6 +168,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     else:
         prof = None
         n_ckpt = kept_block = a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = a_pre_head = 0
+        traced_inside = []
         fwd_work = 0
         recompute = dequant = wcopy = wcopy_fwd = 0
     if explain and prof is not None:
@@ -215,6 +223,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         grads_persist = grads_full
         buf = Buffers(temps)
         a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = recompute = 0
+        traced_inside = []
         wcopy = wcopy_fwd = 0
         a_pre_head = fwd_work = 0
     else:
@@ -280,8 +289,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     # yet), whichever is larger.
     acts_f, fwd_temps = a_blocks + a_head, buf.fwd_loss + loss_fwd + loss_inputs + wcopy_fwd
     inside = (a_blocks + a_pre_head, buf.fwd_block + attn_fwd + wcopy_fwd + fwd_work)
-    if sum(inside) > acts_f + fwd_temps:
-        acts_f, fwd_temps = inside
+    for candidate in [inside] + [(acts, buf.fwd_block + wcopy_fwd + temps) for acts, temps in traced_inside]:
+        if sum(candidate) > acts_f + fwd_temps:
+            acts_f, fwd_temps = candidate
     forward = {"params": params, "grads": grads_persist, "optimizer": opt,
                "activations": acts_f, "temporaries": fwd_temps}
     # Backward peaks at its start (all activations + loss gradients), inside the first block it

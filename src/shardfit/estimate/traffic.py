@@ -29,7 +29,7 @@ def micro_batch_traffic_bytes(plan) -> int:
     if not model.has_shape or not model.num_layers:
         return 0
     regime = precision_regime(t.precision, plan.strategy.kind, t.lora)
-    prof = act.activation_profile(model, regime, t.attention, t.lora)
+    prof = act.activation_profile(model, regime, t.attention, t.lora, seq=t.seq_len)
     tokens, seq = t.micro_batch * t.seq_len, t.seq_len
     blocks, head, _ = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, 0)
     # The loss' fp32 log_softmax and its b·s·V gradients are not saved activations but move as much.

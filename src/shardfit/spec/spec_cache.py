@@ -21,7 +21,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 # NOTE: bump when derive.py or the traced coefficients change meaning: old entries are then ignored.
-DERIVATION_VERSION = 4
+DERIVATION_VERSION = 5  # 5: forward_inside (traced peak instants inside blocks)
 
 
 def cache_dir() -> Path:
