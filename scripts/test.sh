@@ -9,6 +9,9 @@ bash scripts/ci-deps.sh || echo "test.sh: chromium not installed; the HTML repor
 # stable cache so no test pays for it inside its timeout.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(.venv/bin/python -c "from shardfit.runtime_env import extensions_dir; print(extensions_dir())")}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# A build killed mid-way leaves its lock file behind, and every later load waits on it forever (the
+# ranks of a DeepSpeed test then hang until their timeout): a lock older than any build is stale.
+find "$TORCH_EXTENSIONS_DIR" -name lock -mmin +30 -delete 2>/dev/null || true
 .venv/bin/python - <<'PY'
 import time
 from deepspeed.accelerator import get_accelerator

@@ -181,6 +181,7 @@ def run_strategy(plan, label: str, *, out: Path, nproc: int, warmup: int, steps:
                   "error": f"no result after {timeout:.0f} s" if code is None else _last_error(log)}
     if code not in (0, None) and result.get("status") == "ok":
         result["status"] = "failed"
+        result["error"] = f"a rank exited with code {code} after the measurement: {_last_error(log)}"
     result.update(job_s=seconds, log=str(log), budget_bytes=budget or None)
     return result
 

@@ -104,8 +104,8 @@ def _writer_process(*args):
     logging.disable(logging.INFO)
     try:
         executor._AsyncCheckpointProcess._checkpointing_subprocess(*args)
-    except EOFError:  # the training process is gone (killed): nothing left to write for
-        pass
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the training process is gone (killed): nothing left to write for, nobody to answer
 
 
 def _quiet_writer() -> None:

@@ -21,7 +21,8 @@ from functools import lru_cache
 from shardfit.estimate.derived import load_coefficients, window_of
 from shardfit.estimate.states import DTYPE_BYTES
 from shardfit.estimate.states import block_linears as _linears
-from shardfit.estimate.states import lora_adapter_params, model_linears
+from shardfit.estimate import temporaries as tmp
+from shardfit.estimate.states import lora_adapter_params
 
 # regime: "fp32" (4-byte everything), "half" (module params 16-bit: FSDP MixedPrecision, DeepSpeed,
 # pure bf16, LoRA on a 16-bit base), "autocast" (fp32 params under torch.autocast: DDP mixed).
@@ -116,23 +117,7 @@ def _shape_terms(p: Profile, model, regime: str, attention: str, lora) -> None:
     p.bwd_work = 2 * res * h + d * max(3 * width, 2 * qd + 2 * kvd)
     p.bwd_work_quad = (4 + d) * heads if attention == "eager" else 0
     p.attn_fwd_temp_quad = 2 * d * heads if attention == "eager" else 0
-    p.dequant_temp = qlora_dequant_bytes(model, regime, lora[2]) if lora is not None else 0
-
-
-def qlora_dequant_bytes(model, regime: str, base_dtype: str) -> int:
-    """The one dequantized weight a bitsandbytes matmul holds (forward and backward): the widest
-    block linear. Under autocast / fp32 the input is the fp32 stream peft's upcast leaves."""
-    if base_dtype not in ("nf4", "int8"):
-        return 0
-    widest = max((i * o for _, i, o, _ in model_linears(model)), default=0)
-    if base_dtype == "nf4":
-        # Source: bitsandbytes gemm_4bit (default kernel, and CUDA above ~512 tokens) and
-        # MatMul4Bit.backward: dequantize_4bit of the whole weight in bnb_4bit_compute_dtype, after
-        # dequantize_blockwise of the nested absmax to fp32 (one per 64-block).
-        return widest * (4 if regime == "fp32" else 2) + 4 * -(-widest // 64)
-    # Source: bitsandbytes MatMul8bitFp.forward/backward (CPU) and MatMul8bitLt.backward (CUDA):
-    # CB.to(A.dtype) * SCB, the weight in the input's dtype.
-    return widest * (2 if regime == "half" else 4)
+    p.dequant_temp = tmp.qlora_dequant_bytes(model, regime, lora[2]) if lora is not None else 0
 
 
 @lru_cache(maxsize=512)

@@ -2,6 +2,8 @@
 scratch, checkpoint consolidation. Each function counts one buffer, per rank, in bytes."""
 from __future__ import annotations
 
+from shardfit.estimate.states import model_linears
+
 
 def gathered_unit_bytes(unit_params: int, dtype_bytes: int, units: int = 2) -> int:
     # Source: FSDP all-gathers one unit before computing it; the prefetch keeps the next one live too.
@@ -103,3 +105,19 @@ def checkpoint_save_bytes(mode: str, unit_params: int, state_bytes: int) -> int:
     # Source: FSDP FULL_STATE_DICT gathers one unit at a time on the GPU (offload_to_cpu per unit);
     # sharded DCP / DeepSpeed per-rank saves write the local shards without a device copy.
     return int(unit_params * state_bytes) if mode == "full" else 0
+
+
+def qlora_dequant_bytes(model, regime: str, base_dtype: str) -> int:
+    """The one dequantized weight a bitsandbytes matmul holds (forward and backward): the widest
+    block linear. Under autocast / fp32 the input is the fp32 stream peft's upcast leaves."""
+    if base_dtype not in ("nf4", "int8"):
+        return 0
+    widest = max((i * o for _, i, o, _ in model_linears(model)), default=0)
+    if base_dtype == "nf4":
+        # Source: bitsandbytes gemm_4bit (default kernel, and CUDA above ~512 tokens) and
+        # MatMul4Bit.backward: dequantize_4bit of the whole weight in bnb_4bit_compute_dtype, after
+        # dequantize_blockwise of the nested absmax to fp32 (one per 64-block).
+        return widest * (4 if regime == "fp32" else 2) + 4 * -(-widest // 64)
+    # Source: bitsandbytes MatMul8bitFp.forward/backward (CPU) and MatMul8bitLt.backward (CUDA):
+    # CB.to(A.dtype) * SCB, the weight in the input's dtype.
+    return widest * (2 if regime == "half" else 4)

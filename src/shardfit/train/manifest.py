@@ -228,7 +228,13 @@ class Checks:
         self._found: list[str] = []
         self._thread = None
         self._names: list[str] | None = None  # this rank's share, while not hashed yet
-        if self._key in _VERIFIED or "files" not in manifest:  # NOTE: pre-checksum manifests are read as they are
+        # NOTE: pre-checksum manifests are read as they are. Whether this process already verified the
+        # folder differs between ranks (retention hashes on rank 0 alone, a rank may have written it), so
+        # the skip is agreed: finish() is a collective only when every rank takes part in it.
+        skip = self._key in _VERIFIED or "files" not in manifest
+        if not all(_gather(skip, _dist())):
+            skip = False
+        if skip:
             return
         _raise_first(listing_problems(self.folder, manifest))
         self._names = _share(sorted(manifest["files"]), _dist())
