@@ -2,6 +2,8 @@
 timeout so a hang fails fast with a clear message instead of stalling the suite."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import socket
 import subprocess
 import sys
@@ -57,3 +59,21 @@ def shardfit(*args: str, timeout: float = 120, check: bool = True, env: dict | N
              cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess."""
     return run([sys.executable, "-m", "shardfit", *args], timeout=timeout, check=check, env=env, cwd=cwd)
+
+
+def run_losses(out: Path) -> dict:
+    """step -> loss from a run's metrics.jsonl; a step replayed after a restart keeps its last value."""
+    found = {}
+    for line in (Path(out) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        found[record["step"]] = record["loss"]
+    return found
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (its functions are what the tests check)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

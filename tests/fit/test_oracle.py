@@ -1,15 +1,12 @@
 """`shardfit calibrate` for real (2 gloo ranks), its profile read back and used by plan / fit, the
 oracle benchmark's reduced grid (benchmarks/bench_fit_oracle.py), and `fit --verify` correcting the
 step time under the calibrated profile."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-from launch import shardfit
+from launch import load_benchmark, shardfit
 from shardfit.fit.steptime import step_time
 from shardfit.spec.device_profile import load_profile
 from shardfit.spec.gpus import get_gpu
@@ -17,11 +14,7 @@ from shardfit.spec.plan import plan_from_dict
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.deepspeed]
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_fit_oracle.py"
-spec = importlib.util.spec_from_file_location("bench_fit_oracle", BENCH)
-oracle = importlib.util.module_from_spec(spec)
-sys.modules["bench_fit_oracle"] = oracle
-spec.loader.exec_module(oracle)
+oracle = load_benchmark("bench_fit_oracle")
 
 
 @pytest.fixture(scope="module")

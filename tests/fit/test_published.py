@@ -1,16 +1,15 @@
 """fit's step-time model against published runs (benchmarks/published_throughput.yaml): the table is
 complete, every row builds and predicts, and what the table shows is pinned where it holds."""
-import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_published.py"
-spec = importlib.util.spec_from_file_location("bench_published", BENCH)
-bench = importlib.util.module_from_spec(spec)
-sys.modules["bench_published"] = bench
-spec.loader.exec_module(bench)
+from launch import load_benchmark
+
+bench = load_benchmark("bench_published")
+BENCH = Path(bench.__file__)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +45,6 @@ def test_zero1_beats_ddp_for_gpt2_large_as_the_autotuner_measured(compared):
 
 
 def test_the_benchmark_runs_without_torch(tmp_path):
-    import subprocess
     out = subprocess.run([sys.executable, str(BENCH), "--json", str(tmp_path / "p.json")], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     assert "torch imported: False" in out and (tmp_path / "p.json").exists()

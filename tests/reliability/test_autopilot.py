@@ -25,13 +25,6 @@ PLAN = {
 }
 
 
-def _losses(out) -> dict:
-    found = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        found[record["step"]] = record["loss"]
-    return found
-
 
 def _plan_file(tmp_path, **training) -> str:
     data = json.loads(json.dumps(PLAN))
@@ -48,7 +41,7 @@ def reference(tmp_path_factory):
     out = tmp / "run"
     launch.shardfit("train", _plan_file(tmp, micro_batch=4, grad_accum=2), "--strategy", "ddp", "--out", str(out),
                     "--no-progress", timeout=300)
-    return _losses(out)
+    return launch.run_losses(out)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "zero2"])
@@ -69,7 +62,7 @@ def test_autopilot_recovers_from_oom(strategy, reference, tmp_path):
     plan = yaml.safe_load((out / "plan.yaml").read_text())  # the run's plan carries the decision
     assert plan["training"]["micro_batch"] == 4 and plan["training"]["grad_accum"] == 2
     assert plan["strategy"]["kind"] == strategy
-    got = _losses(out)
+    got = launch.run_losses(out)
     assert sorted(got) == [1, 2, 3]
     # Same global batch, same examples per step: the losses follow the new split's trajectory.
     tolerance = 1e-5 if strategy in ("ddp", "fsdp2") else 2e-3  # DeepSpeed reduces in another order
@@ -117,4 +110,4 @@ def test_oom_mid_run_resumes_checkpoint_with_new_plan(tmp_path):
     assert decision["step"] == 3 and decision["changes"] == {"training": {"micro_batch": 2, "grad_accum": 2}}
     saved = yaml.safe_load((out / "checkpoints" / "step-4" / "plan.yaml").read_text())
     assert saved["training"]["micro_batch"] == 2 and saved["training"]["grad_accum"] == 2
-    assert sorted(_losses(out)) == [1, 2, 3, 4]
+    assert sorted(launch.run_losses(out)) == [1, 2, 3, 4]

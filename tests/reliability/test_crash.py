@@ -7,7 +7,6 @@ the reference's losses, and one job where a rank stops answering.
 """
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import time
@@ -26,14 +25,6 @@ TRAIN = ["train", "--model", "tiny-llama", "--strategy", "ddp", "--precision", "
          "--micro-batch", "2", "--seq", "64", "--steps", "6", "--save-every", "2", "--keep", "3", "--log-every", "1",
          "--eval-every", "0", "--lr", "3e-3", "--no-progress"]
 
-
-def losses(out) -> dict:
-    """step -> loss; a step replayed after a restart keeps its last value."""
-    found = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        found[record["step"]] = record["loss"]
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +52,7 @@ def test_killed_mid_save_and_mid_step_resumes_and_matches(reference, killed_twic
     # Attempt 1 resumed from step 2 (step 4 was never completed), attempt 2 from step 4.
     resumed = re.findall(r"resumed from \S+/(step-\d+) at step (\d+)", log)
     assert resumed == [("step-2", "2"), ("step-4", "4")], log[-3000:]
-    expected, got = losses(reference), losses(out)
+    expected, got = launch.run_losses(reference), launch.run_losses(out)
     assert sorted(got) == list(range(1, 7))
     # DDP in fp32 on CPU is deterministic and the RNG/data position are restored: exact continuation.
     assert got == expected

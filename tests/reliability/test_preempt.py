@@ -23,18 +23,11 @@ TRAIN = ["train", "--model", "tiny-llama", "--precision", "fp32", "--micro-batch
 SIGNAL_MID_STEP_3 = "micro:3:rank:1"  # rank 1 alone is signalled, in its forward/backward of step 3
 
 
-def losses(out) -> dict:
-    found = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        found[record["step"]] = record["loss"]
-    return found
-
 
 def _reference(tmp_path, strategy, *extra):
     out = tmp_path / f"reference-{strategy}"
     launch.shardfit(*TRAIN, "--strategy", strategy, "--save-every", "0", *extra, "--out", str(out), timeout=300)
-    return losses(out)
+    return launch.run_losses(out)
 
 
 def test_ddp_signal_mid_step_stops_saves_marks_and_resumes_exactly(tmp_path):
@@ -47,7 +40,7 @@ def test_ddp_signal_mid_step_stops_saves_marks_and_resumes_exactly(tmp_path):
     assert first.returncode == 75, log[-3000:]
     assert "[fault] rank 1: signal at micro 3" in log and "Traceback" not in log
     # Both ranks finished step 3 (rank 0 was never signalled) and nothing after it.
-    assert sorted(losses(out)) == [1, 2, 3]
+    assert sorted(launch.run_losses(out)) == [1, 2, 3]
     marker = json.loads((out / "stopped.json").read_text())
     assert marker["reason"] == "preempted" and marker["signal"] == "SIGTERM" and marker["step"] == 3
     assert marker["checkpoint"] == str(out / "checkpoints" / "step-3") and marker["exit_code"] == 75
@@ -60,7 +53,7 @@ def test_ddp_signal_mid_step_stops_saves_marks_and_resumes_exactly(tmp_path):
                              timeout=300)
     assert "resumed from" in second.stdout and "at step 3" in second.stdout
     assert not (out / "stopped.json").exists()  # the run is no longer stopped
-    assert losses(out) == expected  # bit-identical: DDP fp32 on CPU, RNG and data position restored
+    assert launch.run_losses(out) == expected  # bit-identical: DDP fp32 on CPU, RNG and data position restored
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", pytest.param("zero2", marks=pytest.mark.deepspeed),
@@ -74,7 +67,7 @@ def test_signal_mid_step_then_torchrun_restart_resumes_exactly(tmp_path, strateg
     log = result.stdout + result.stderr
     assert "[fault] rank 1: signal at micro 3 (attempt 0)" in log
     assert re.findall(r"resumed from \S+/(step-\d+) at step (\d+)", log) == [("step-3", "3")], log[-3000:]
-    got = losses(out)
+    got = launch.run_losses(out)
     assert sorted(got) == list(range(1, 7))
     # The engines are deterministic on CPU in fp32 (DeepSpeed's save/load too): the same numbers.
     assert got == expected
@@ -92,7 +85,7 @@ def test_async_saves_sigkill_during_the_write_resumes_from_the_previous_checkpoi
     assert "[fault] rank 1: kill at async 4 (attempt 0)" in log
     assert re.findall(r"resumed from \S+/(step-\d+) at step (\d+)", log) == [("step-2", "2")], log[-3000:]
     assert "Traceback" not in log, log[-3000:]
-    assert losses(out) == expected  # async saves hold the same state as blocking ones
+    assert launch.run_losses(out) == expected  # async saves hold the same state as blocking ones
     from shardfit.train import manifest
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-6"]
