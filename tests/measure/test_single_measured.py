@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from test_engine_matrix import (_BACKWARD, SMALL_TERM, TERM_TOLERANCE, _check_categories, _plan, _result,
-                                _run)
+from matrix_gaps import _BACKWARD
+from test_engine_matrix import SMALL_TERM, TERM_TOLERANCE, _check_categories, _plan, _result, _run
 
 pytestmark = pytest.mark.multirank
 
