@@ -67,7 +67,7 @@ def test_oracle_reduced_grid_measures_every_candidate_and_the_pick_fits(reduced)
 
 @pytest.mark.xfail(strict=False, reason="measured on 2 shared CPU cores, fit's pick (ddp + selective AC) runs far "
                    "slower than predicted: SAC's per-op dispatch-mode cost and ZeRO-3's per-submodule fetch cost "
-                   "on CPU are not in the step-time model yet (README, the oracle)")
+                   "on CPU are not in the step-time model yet (docs/fit.md, the oracle)")
 def test_oracle_reduced_grid_pick_reaches_the_throughput_bar(reduced):
     assert reduced["pick_throughput_ratio"] >= oracle.PICK_BAR, oracle.report(reduced)
 

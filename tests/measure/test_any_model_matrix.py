@@ -5,7 +5,7 @@ each under one engine configuration, the engines, precisions and checkpointing r
 Asserted per configuration: model states at rest (params, optimizer) within 1%; the forward phase's
 saved activations within 5% (without checkpointing; exact in the unit tests); the peak within 10%
 (the engine matrix's tolerance). The per-term table over the full grid (every engine x fp32/bf16 x
-AC none/full) is benchmarks/bench_any_model.py; its figures are in the README.
+AC none/full) is benchmarks/bench_any_model.py; its figures are in docs/estimator.md.
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from shardfit.spec.tiny import tiny_config  # noqa: E402
 
 LM_TYPES = sorted(set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES))
 # Model types whose LM class cannot be built from transformers' own default config nor from a
-# shrunk copy of it (transformers 5.24), or that have no repeated layers; README lists them.
+# shrunk copy of it (transformers 5.24), or that have no repeated layers; docs/models.md lists them.
 CANNOT_BUILD = {
     "albert": "shares one layer across depth: no repeated blocks to wrap",
     "cohere_compass_text": "default config names a layer type its attention table lacks",

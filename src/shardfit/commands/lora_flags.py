@@ -1,6 +1,6 @@
 """The LoRA flags, spelled the same in plan, fit, train and profile, and the one rule that turns LoRA on.
 
-Rule (README "LoRA and QLoRA"): any of --lora-r, --lora-targets, --lora-base turns LoRA on. What is
+Rule (docs/plan.md, the `--lora-*` options): any of --lora-r, --lora-targets, --lora-base turns LoRA on. What is
 not given takes its default, and the commands print it (`note: QLoRA r=16, ...`): rank 16, the model's own attention projections
 (estimate/lora_targets.py), a bf16 base. A quantized base (--lora-base int8 / nf4) therefore always
 means QLoRA: a 4- or 8-bit base cannot be fully fine-tuned. Old spellings still work.

@@ -44,7 +44,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint", default="sharded", help="checkpoint save: sharded (default) | full (rank-0 consolidation)")
     parser.add_argument("--device-profile", dest="device_profile",
                         help="also print each strategy's step time under the rates `shardfit calibrate` measured")
-    parser.add_argument("--json", action="store_true", help="print the stable JSON document (schema in the README)")
+    parser.add_argument("--json", action="store_true", help="print the stable JSON document (schema: docs/estimator.md)")
     parser.add_argument("--explain", action="store_true", help="print every term's formula, inputs and source")
 
 

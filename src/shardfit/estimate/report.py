@@ -1,6 +1,6 @@
 """All output formatting of `shardfit plan` in one place: the table, the JSON document, --explain.
 
-The JSON schema is versioned (SCHEMA_VERSION) and documented in the README (plan section, "JSON schema"); add fields, never
+The JSON schema is versioned (SCHEMA_VERSION) and documented in docs/estimator.md ("JSON schema"); add fields, never
 rename or remove them without bumping the version.
 """
 from __future__ import annotations

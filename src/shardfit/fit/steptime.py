@@ -216,8 +216,8 @@ def comm_parts(plan: Plan) -> list[CommPart]:
         # ZeRO-1 reduces at the boundary; ZeRO-2 every micro-batch (it can't keep full grads). DeepSpeed
         # 0.19 reduces each bucket with an all-reduce (average_tensor -> allreduce_and_scatter, since
         # use_multi_rank_bucket_allreduce defaults on), not the paper's reduce-scatter: 2x the gradient
-        # bytes, so ZeRO-1/2 move 3P per step, not 2P (measured 1.5x by `shardfit bench`; README, bench
-        # section). The updated 16-bit partitions are all-gathered after the step: nothing to hide behind.
+        # bytes, so ZeRO-1/2 move 3P per step, not 2P (measured 1.5x by `shardfit bench`; docs/bench.md).
+        # The updated 16-bit partitions are all-gathered after the step: nothing to hide behind.
         reductions = 1 if s.kind == "zero1" else accum
         buckets = max(1, int(grads / 2 / max(s.reduce_bucket_size, 1)))
         return [CommPart(link, 2 * grads * ring * reductions, reductions * buckets,
