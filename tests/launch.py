@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from shardfit import launcher
+from shardfit.launcher import free_port  # noqa: F401 - the tests' free port is the launcher's
+from shardfit.runtime_env import launch_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_env(**extra: str) -> dict:
-    from shardfit.runtime_env import launch_env
-
     env = launch_env()
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -30,25 +27,39 @@ def test_env(**extra: str) -> dict:
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, nnodes: int = 1, node_rank: int | None = None,
              port: int | None = None, env: dict | None = None, cwd: Path | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc-per-node nproc ARGS` (ARGS start with a script path or `-m module`)."""
-    port = port or free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if nnodes > 1:
-        command += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                    f"--node-rank={node_rank or 0}"]
-    else:
-        command += ["--standalone"] if port is None else [f"--master-port={port}", "--master-addr=127.0.0.1"]
-    return run(command + list(args), timeout=timeout, env=env, cwd=cwd, check=check)
+    """Run `torchrun --nproc-per-node nproc ARGS` (ARGS start with a script path or `-m module`) through
+    the product's one launcher: at the timeout the whole job, ranks included, is stopped. One node
+    without a port: --standalone; with a port (or several nodes): 127.0.0.1:port."""
+    endpoint = f"127.0.0.1:{port or free_port()}" if (port or nnodes > 1) else None
+    done = launcher.torchrun(list(args), nproc, timeout=timeout, nnodes=nnodes, node_rank=node_rank or 0,
+                             endpoint=endpoint, env=env or test_env(), cwd=cwd or REPO, capture=True)
+    command = " ".join(map(str, done.command))
+    if done.timed_out:
+        raise AssertionError(f"timed out after {timeout:.0f}s (a hang?), every rank stopped: {command}\n"
+                             f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    if check and done.returncode != 0:
+        raise AssertionError(f"exit {done.returncode}: {command}\n"
+                             f"--- stdout ---\n{done.stdout[-4000:]}\n--- stderr ---\n{done.stderr[-6000:]}")
+    return subprocess.CompletedProcess(list(done.command), done.returncode, done.stdout, done.stderr)
 
 
 def run(command: list[str], timeout: float = 180, env: dict | None = None, cwd: Path | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (a CLI that may itself start torchrun) in a process group of its own: at the
+    timeout the whole group is killed, not only the command."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=env or test_env(), cwd=cwd or REPO, start_new_session=True)
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                                env=env or test_env(), cwd=cwd or REPO)
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"")[-3000:] if isinstance(exc.stdout, bytes) else (exc.stdout or "")[-3000:]
-        raise AssertionError(f"timed out after {timeout:.0f}s (a hang?): {' '.join(map(str, command))}\n{out}") from None
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, _ = process.communicate()
+        raise AssertionError(f"timed out after {timeout:.0f}s (a hang?): {' '.join(map(str, command))}\n"
+                             f"{stdout[-3000:]}") from None
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}: {' '.join(map(str, command))}\n"
                              f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}")

@@ -4,7 +4,7 @@ import torch
 
 from shardfit.engines.base import apply_activation_checkpointing, apply_lora
 from shardfit.errors import ShardfitError
-from shardfit.estimate.traced import run_tracked_step, trace_step
+from shardfit.measure.traced import run_tracked_step, trace_step
 from shardfit.modeling import block_classes, build_model
 from shardfit.spec.models import model_spec_for
 from shardfit.spec.plan import parse_activation_checkpointing, plan_from_dict

@@ -7,8 +7,3 @@ class ShardfitError(Exception):
     only rank 0 prints it."""
 
     every_rank = False
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ShardfitError(message)

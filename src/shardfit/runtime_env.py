@@ -1,10 +1,15 @@
-"""The environment every launched rank gets: one place, so train, profile and bench agree."""
+"""The environment every launched rank gets, and how a rank joins its process group: one place, so
+train, profile, bench and the engines agree (a leaf: no shardfit imports)."""
 from __future__ import annotations
 
+import datetime
 import hashlib
 import os
 import sys
 from pathlib import Path
+
+COLLECTIVE_TIMEOUT_ENV = "SHARDFIT_COLLECTIVE_TIMEOUT"  # set by `train --collective-timeout`
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 def extensions_dir() -> str:
@@ -27,3 +32,38 @@ def launch_env(base: dict | None = None) -> dict:
     if not Path("/dev/nvidiactl").exists():
         env.setdefault("DS_ACCELERATOR", "cpu")
     return env
+
+
+def configured_timeout() -> float | None:
+    """Seconds from SHARDFIT_COLLECTIVE_TIMEOUT (set by `train --collective-timeout`); 0 disables."""
+    text = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+    value = float(text) if text else DEFAULT_COLLECTIVE_TIMEOUT_S
+    return value if value > 0 else None
+
+
+def process_group_kwargs() -> dict:
+    """Extra init_process_group arguments: the collective timeout, and under torchrun's agent a store
+    prefix per restart attempt. NOTE: the agent's store outlives the workers; without a prefix a
+    restarted gloo group reads the dead ranks' addresses from the last attempt and fails (or hangs)
+    connecting to them, which turns every torchrun restart into a coin toss."""
+    kwargs = {}
+    timeout = init_timeout()
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+        import torch.distributed as dist
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout or datetime.timedelta(minutes=30))
+        kwargs.update(store=dist.PrefixStore(f"shardfit/attempt-{attempt}", store), rank=int(os.environ["RANK"]),
+                      world_size=int(os.environ["WORLD_SIZE"]))
+    return kwargs
+
+
+def init_timeout():
+    """The timedelta for init_process_group(timeout=...), or None for torch's default. A backstop
+    behind the watchdog, never shorter than torch's own 30 minutes: a barrier in a long checkpoint
+    save must not time out where the watchdog would have allowed it."""
+    timeout = configured_timeout()
+    return datetime.timedelta(seconds=max(6 * timeout, 1800.0)) if timeout else None

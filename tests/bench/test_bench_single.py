@@ -26,7 +26,7 @@ def test_a_single_row_beside_two_ranks_is_not_compared_with_their_loss():
     results = [{"strategy": "ddp", "status": "ok", "world_size": 2, "loss": {"final": 4.0, "k": 7}, "memory": {"peak_bytes": 10}},
                {"strategy": "single", "status": "ok", "world_size": 1, "loss": {"final": 4.3, "k": 7},
                 "memory": {"peak_bytes": 9}}]
-    analysis.compare(results, plan)
+    analysis.compare(results, {"ddp": strategy_plan(plan, "ddp", 2), "single": strategy_plan(plan, "single", 2)})
     assert results[0]["correctness"]["status"] == "match"
     assert results[1]["correctness"]["status"] == "not comparable"
     assert "--nproc 1" in results[1]["correctness"]["note"]

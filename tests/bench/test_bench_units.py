@@ -45,7 +45,8 @@ def test_divergence_names_the_likely_cause():
          "predicted": {"peak_bytes": 12}},
         {"strategy": "zero2", "status": "oom", "error": "over budget"},
     ]
-    analysis.compare(results, plan.with_changes(training={"precision": "bf16-pure"}))
+    pure_plan = plan.with_changes(training={"precision": "bf16-pure"})
+    analysis.compare(results, {label: strategy_plan(pure_plan, label, 2) for label in ("ddp", "fsdp2")})
     assert results[0]["correctness"]["status"] == "match"
     assert results[1]["correctness"]["status"] == "diverged"
     assert "master weights" in results[1]["correctness"]["likely_cause"]
@@ -86,7 +87,7 @@ def test_a_16_bit_plan_is_judged_against_a_separate_fp32_ddp_reference():
     reference = {"strategy": "ddp", "status": "ok", "precision": "fp32", "loss": {"final": 4.00, "k": 7}}
     results = [{"strategy": "ddp", "status": "ok", "world_size": 2, "loss": {"final": 4.01, "k": 7}, "memory": {"peak_bytes": 1}},
                {"strategy": "zero2", "status": "ok", "world_size": 2, "loss": {"final": 4.30, "k": 7}, "memory": {"peak_bytes": 1}}]
-    analysis.compare(results, plan, reference)
+    analysis.compare(results, {label: strategy_plan(plan, label, 2) for label in ("ddp", "zero2")}, reference)
     ddp, zero2 = (r["correctness"] for r in results)
     assert ddp["reference"] == "ddp/fp32" and ddp["status"] == "match" and ddp["rel_diff"] == pytest.approx(0.0025)
     assert zero2["status"] == "diverged" and zero2["likely_cause"]

@@ -52,7 +52,7 @@ def resident_bytes(model) -> int:
 
 def measured(plan) -> dict:
     from shardfit.engines import base
-    from shardfit.estimate.traced import run_tracked_step
+    from shardfit.measure.traced import run_tracked_step
     from shardfit.modeling import build_model
 
     t = plan.training

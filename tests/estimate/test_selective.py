@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from shardfit.engines.base import apply_activation_checkpointing  # noqa: E402
-from shardfit.estimate.traced import run_tracked_step  # noqa: E402
+from shardfit.measure.traced import run_tracked_step  # noqa: E402
 from shardfit.modeling import block_classes, build_model  # noqa: E402
 from shardfit.spec.tiny import tiny_config  # noqa: E402
 

@@ -21,6 +21,7 @@ from launch import test_env, torchrun
 from matrix_gaps import KNOWN_GAPS, VARIES, varying_terms
 
 pytest.importorskip("torch")
+pytestmark = [pytest.mark.multirank, pytest.mark.deepspeed, pytest.mark.slow]
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 SEQ, BATCH = 64, 2

@@ -18,6 +18,9 @@ import io
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 
+import shardfit.bench.run as bench_run
+import shardfit.measure.run as measure_run
+import shardfit.train.supervise as supervise
 from shardfit.cli import main
 
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
@@ -29,19 +32,12 @@ class WouldLaunch(BaseException):
 
 @pytest.fixture(autouse=True)
 def no_launch(monkeypatch):
-    import shardfit.bench.run as bench_run
-    import shardfit.commands.profile as profile_cmd
-    import shardfit.train.launch as train_launch
-
     def stop(*args, **kwargs):
         raise WouldLaunch()
 
-    import shardfit.train.supervise as supervise
-
-    # NOTE: the torchrun start itself: everything `shardfit train` checks before it still runs.
-    monkeypatch.setattr(train_launch.subprocess, "call", stop)
+    # NOTE: the torchrun start itself: everything `shardfit train` and `profile` check before it still runs.
     monkeypatch.setattr(supervise, "relaunch", stop)
-    monkeypatch.setattr(profile_cmd, "_launch", stop)
+    monkeypatch.setattr(measure_run, "torchrun", stop)
     monkeypatch.setattr(bench_run, "bench", stop)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

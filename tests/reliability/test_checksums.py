@@ -86,7 +86,7 @@ def test_checks_catch_a_flipped_byte_when_finished(tmp_path, background):
     folder = _checkpoint(tmp_path)
     shard = next((folder / "dcp").glob("*.distcp"))
     _flip(shard)
-    checks = integrity.Checks(folder, integrity.read_manifest(folder), background=background)
+    checks = integrity.Checks(folder, integrity.read_manifest_file(folder), background=background)
     assert checks.pending  # the load would run now (with the thread hashing, or before the hashing)
     with pytest.raises(integrity.CorruptCheckpoint, match=rf"{shard.name} is corrupted: its {ALGORITHM} differs") as raised:
         checks.finish()
@@ -100,25 +100,25 @@ def test_checks_refuse_a_truncated_file_before_any_load(tmp_path):
     shard = next((folder / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(integrity.CorruptCheckpoint, match=rf"{shard.name} is truncated or altered: 100 bytes"):
-        integrity.Checks(folder, integrity.read_manifest(folder))
+        integrity.Checks(folder, integrity.read_manifest_file(folder))
 
 
 def test_intact_checkpoint_verified_once(tmp_path, monkeypatch):
     folder = _checkpoint(tmp_path)
-    checks = integrity.Checks(folder, integrity.read_manifest(folder))
+    checks = integrity.Checks(folder, integrity.read_manifest_file(folder))
     checks.finish()
     assert not checks.pending
     monkeypatch.setattr(integrity, "content_problems", lambda *a: pytest.fail("hashed a verified folder again"))
-    again = integrity.Checks(folder, integrity.read_manifest(folder))
+    again = integrity.Checks(folder, integrity.read_manifest_file(folder))
     assert integrity.problems(folder) == [] and not again.pending
 
 
 @pytest.mark.parametrize("background", [True, False])
 def test_raise_local_reports_this_ranks_damage_only(tmp_path, background):
     folder = _checkpoint(tmp_path)
-    integrity.Checks(folder, integrity.read_manifest(folder), background=background).raise_local()  # intact: silent
+    integrity.Checks(folder, integrity.read_manifest_file(folder), background=background).raise_local()  # intact: silent
     _flip(folder / "dcp" / ".metadata")
-    checks = integrity.Checks(folder, integrity.read_manifest(folder), background=background)
+    checks = integrity.Checks(folder, integrity.read_manifest_file(folder), background=background)
     with pytest.raises(integrity.CorruptCheckpoint, match=r"\.metadata is corrupted") as raised:
         checks.raise_local()
     assert not raised.value.every_rank  # this rank's own finding: every rank that has one prints it

@@ -66,7 +66,7 @@ def test_partial_checkpoint_never_listed_and_all_verify(killed_twice):
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-2", "step-4", "step-6"]
     for folder in manifest.step_folders(root):
         assert manifest.problems(folder) == []
-        table = manifest.read_manifest(folder)["files"]
+        table = manifest.read_manifest_file(folder)["files"]
         assert any(name.startswith("dcp/") for name in table) and "rng/rank-1.pt" in table
 
 

@@ -91,4 +91,4 @@ def test_async_saves_sigkill_during_the_write_resumes_from_the_previous_checkpoi
     assert sorted(p.name for p in root.iterdir()) == ["step-2", "step-4", "step-6"]
     for folder in manifest.step_folders(root):
         assert manifest.problems(folder) == []
-        assert any(name.startswith("dcp/__1_") for name in manifest.read_manifest(folder)["files"])
+        assert any(name.startswith("dcp/__1_") for name in manifest.read_manifest_file(folder)["files"])

@@ -1,11 +1,13 @@
 """`shardfit train`'s torchrun (supervise.relaunch) gets its environment from runtime_env.launch_env,
 the one place that decides it (the DeepSpeed op cache keyed by the Python environment, one OpenMP
-thread per rank), like train/launch.py, profile and bench. No torchrun is started here."""
+thread per rank), and starts through the one launcher, like profile and bench. No torchrun is
+started here: the launcher is replaced by a recorder."""
 from types import SimpleNamespace
 
 import pytest
 
 import shardfit.train.supervise as supervise
+from shardfit.launcher import Launched
 from shardfit.runtime_env import extensions_dir, launch_env
 
 
@@ -15,6 +17,9 @@ class FakeProcess:
     def wait(self):
         return 0
 
+    def send_signal(self, signum):
+        pass
+
 
 @pytest.mark.parametrize("debug", ["", "1"])
 def test_relaunch_uses_the_launch_env(monkeypatch, debug):
@@ -23,18 +28,16 @@ def test_relaunch_uses_the_launch_env(monkeypatch, debug):
     monkeypatch.setenv("SHARDFIT_DEBUG", debug)
     seen = {}
 
-    def popen(command, env, **kwargs):
-        seen.update(command=command, env=env)
-        return FakeProcess()
+    def torchrun(target, nproc, *, env, options, timeout, watch=None, **where):
+        seen.update(command=[*options, *target], env=env, timeout=timeout)
+        if watch is not None:
+            watch(FakeProcess())
+        return Launched(returncode=0, seconds=0.0, command=tuple(target))
 
-    def call(command, env, **kwargs):
-        seen.update(command=command, env=env)
-        return 0
-
-    monkeypatch.setattr(supervise.subprocess, "Popen", popen)
-    monkeypatch.setattr(supervise.subprocess, "call", call)
+    monkeypatch.setattr(supervise, "torchrun", torchrun)
     args = SimpleNamespace(nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None)
     assert supervise.relaunch(["train", "--out", "x"], args, restarts=0) == 0
+    assert seen["timeout"] is None  # a training run is not cut short by the launcher
     # plus, when its stderr is filtered, the mark that it prints the OOM diagnosis once for the workers
     assert seen["env"] == (launch_env() if debug else {**launch_env(), supervise.SUPERVISED_ENV: "1"})
     assert seen["env"]["TORCH_EXTENSIONS_DIR"] == extensions_dir() and seen["env"]["OMP_NUM_THREADS"] == "1"

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -72,8 +74,11 @@ def test_two_nodes_hybrid_shard_match_one_node(default_run, tmp_path):
     command = [sys.executable, "-m", "shardfit", "train", "--nproc", "1", "--nnodes", "2",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--shard-group-size", "1", "--save-every", "0",
                "--eval-every", "0", "--no-progress"]
+    # NOTE: the two agents must run at once, so not through launch.run (one command at a time); each
+    # in a process group of its own, killed whole (its torchrun and ranks too) if it overruns.
     nodes = [subprocess.Popen(command + ["--node-rank", str(rank), "--out", str(tmp_path / f"node{rank}")],
-                              cwd=REPO, env=launch.test_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              cwd=REPO, env=launch.test_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
              for rank in (0, 1)]
     logs = []
     try:
@@ -82,7 +87,7 @@ def test_two_nodes_hybrid_shard_match_one_node(default_run, tmp_path):
     finally:
         for node in nodes:
             if node.poll() is None:
-                node.kill()
+                os.killpg(node.pid, signal.SIGKILL)
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
     written = [p for p in (tmp_path / "node0", tmp_path / "node1") if (p / "metrics.jsonl").is_file()]
     assert len(written) == 1  # only global rank 0 writes

@@ -2,9 +2,12 @@
 loss vs the DDP/fp32 reference (with the likely cause of a divergence), and the environment."""
 from __future__ import annotations
 
+import os
 import platform
+from importlib.metadata import PackageNotFoundError, version
 
 from shardfit.bench.comm import theoretical_comm
+from shardfit.estimate.estimator import estimate
 
 # |loss - reference| / reference above this is a divergence. DeepSpeed in fp32 matches DDP to
 # ~1e-4 (different reduction order); 16-bit training drifts by a few 1e-3 over a few steps.
@@ -13,12 +16,8 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "bf16-pure": 2}
 
 
 def predicted(plan) -> dict | None:
-    """The estimator's per-rank tensor bytes by category at its peak phase (None until the
-    estimator is available or when it cannot estimate this plan)."""
-    try:
-        from shardfit.estimate.estimator import estimate
-    except ImportError:
-        return None
+    """The estimator's per-rank tensor bytes by category at its peak phase (an `error` entry when
+    it cannot estimate this plan)."""
     try:
         result = estimate(plan)
         return {"peak_bytes": result.peak_bytes, "peak_phase": result.peak_phase,
@@ -70,20 +69,20 @@ def likely_cause(plan) -> str:
     return "unexpected for an fp32 data-parallel strategy: check seeds, data order and the LR schedule"
 
 
-def compare(results: list[dict], plan, reference: dict | None = None) -> None:
+def compare(results: list[dict], plans: dict, reference: dict | None = None) -> None:
     """Add `correctness` (vs the DDP/fp32 reference: `reference`, the separate fp32 job run when
-    the plan is not fp32, else the ddp row) and `memory_error` (measured vs predicted) in place."""
+    the plan is not fp32, else the ddp row) and `memory_error` (measured vs predicted) in place.
+    plans: the plan each strategy ran, by label (bench() built them already)."""
     if reference is None or reference.get("status") != "ok":
         reference = next((r for r in results if r.get("strategy") == "ddp" and r.get("status") == "ok"), None)
     ref_loss = reference["loss"]["final"] if reference else None
     ref_world = reference.get("world_size") if reference else None
-    exact_ref = reference is not None and (reference.get("precision") or plan.training.precision) == "fp32"
     for result in results:
         if result.get("status") != "ok":
             continue
-        from shardfit.bench.run import strategy_plan
-
-        splan = strategy_plan(plan, result["strategy"], result["world_size"])
+        splan = plans[result["strategy"]]
+        precision = splan.training.precision
+        exact_ref = reference is not None and (reference.get("precision") or precision) == "fp32"
         if ref_loss is None:
             result["correctness"] = {"status": "no reference", "note": "the DDP reference did not run: nothing to compare against"}
         elif ref_world is not None and result["world_size"] != ref_world:
@@ -94,10 +93,10 @@ def compare(results: list[dict], plan, reference: dict | None = None) -> None:
         else:
             loss = result["loss"]["final"]
             rel = abs(loss - ref_loss) / abs(ref_loss)
-            tol = TOLERANCE[plan.training.precision]
+            tol = TOLERANCE[precision]
             status = "match" if rel <= tol else "diverged"
             result["correctness"] = {
-                "status": status, "reference": "ddp/fp32" if exact_ref else f"ddp/{plan.training.precision}",
+                "status": status, "reference": "ddp/fp32" if exact_ref else f"ddp/{precision}",
                 "reference_loss": ref_loss, "loss": loss, "rel_diff": rel, "tolerance": tol,
                 "k": result["loss"]["k"], "likely_cause": likely_cause(splan) if status == "diverged" else None}
         pred = result.get("predicted")
@@ -114,21 +113,19 @@ def environment(nproc: int) -> dict:
     import torch
 
     env = {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
-           "cpu_count": __import__("os").cpu_count(), "torch": torch.__version__, "world_size": nproc,
+           "cpu_count": os.cpu_count(), "torch": torch.__version__, "world_size": nproc,
            "device": "cuda" if torch.cuda.is_available() else "cpu",
            "backend": "nccl" if torch.cuda.is_available() else "gloo"}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
-    from importlib.metadata import PackageNotFoundError, version
-
     for name in ("deepspeed", "transformers", "shardfit", "numpy", "matplotlib"):
         try:  # metadata, not import: importing deepspeed prints accelerator warnings
             env[name] = version(name)
         except PackageNotFoundError:
             env[name] = None
     try:
-        env["load_average"] = list(__import__("os").getloadavg())
+        env["load_average"] = list(os.getloadavg())
     except OSError:
         pass
     return env

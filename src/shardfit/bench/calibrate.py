@@ -12,6 +12,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from shardfit.bench.run import _last_error, torchrun_job
 from shardfit.errors import ShardfitError
 from shardfit.spec.device_profile import DeviceProfile, save_profile
 
@@ -35,8 +36,6 @@ def _echo(log: Path, done: threading.Event, progress) -> None:
 
 
 def calibrate(out: Path, nproc: int = 2, timeout: float = 240, progress=print) -> DeviceProfile:
-    from shardfit.bench.run import _last_error, torchrun_job
-
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         figures_file, log = Path(tmp) / "figures.json", Path(tmp) / "log.txt"

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardfit.runtime_env import extensions_dir
+
 # Shapes per device: CPU ranks run thin matmuls at a few GFLOP/s; a GPU needs LLM-sized ones.
 MATMUL_TOKENS = {"cpu": (64, 256, 1024, 4096), "cuda": (512, 2048, 8192, 16384)}
 MATMUL_WIDTHS = {"cpu": (64, 256, 1024), "cuda": (1024, 4096, 8192)}
@@ -177,8 +179,6 @@ def _params(count: int, device):
 def _cpu_adam_built() -> bool:
     """Whether DeepSpeed's CPU Adam op is compiled in this environment's op cache (runtime_env), so
     loading it takes a second, not a build of minutes."""
-    from shardfit.runtime_env import extensions_dir
-
     return any(Path(extensions_dir()).glob("cpu_adam*/cpu_adam*.so"))
 
 

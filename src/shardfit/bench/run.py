@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+from shardfit.bench import analysis
 from shardfit.errors import ShardfitError
+from shardfit.launcher import torchrun
+from shardfit.runtime_env import launch_env
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import Cluster, parse_strategy, Plan, Schedule, Strategy, Training, validate_plan
+from shardfit.spec.planfile import load_plan
 from shardfit.spec.sizes import parse_size
 
 # With --nproc 1, `single` comes first (see default_strategies).
@@ -42,9 +44,6 @@ def default_plan(nproc: int = 2):
     model gathered from forward to backward. The bench scales them to the model: buckets of 5e5,
     threshold 0, about one block (5e4) live, reuse distance 0, prefetch 1e4.
     """
-    from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import Cluster, Plan, Schedule, Strategy, Training
-
     return Plan(model=load_model_spec("tiny-llama"),
                 strategy=Strategy(reduce_bucket_size=500_000, allgather_bucket_size=500_000,
                                   prefetch_bucket_size=10_000, param_persistence_threshold=0,
@@ -59,7 +58,6 @@ def load_bench_plan(path: str | None, nproc: int):
     or the embedded default."""
     if path is None:
         return default_plan(nproc)
-    from shardfit.spec.planfile import load_plan
 
     return load_plan(path)
 
@@ -67,8 +65,6 @@ def load_bench_plan(path: str | None, nproc: int):
 def strategy_plan(plan, label: str, nproc: int):
     """The plan with `label`'s kind, sharding and offload; bucket sizes and the rest stay the
     plan's, and the cluster becomes what is measured (one node of nproc ranks; one rank for single)."""
-    from shardfit.spec.plan import parse_strategy, validate_plan
-
     parsed = parse_strategy(label)
     if parsed.kind == "single":
         nproc = 1
@@ -101,41 +97,14 @@ def parse_budgets(text: str | None, labels: list[str]) -> dict[str, int]:
     return budgets
 
 
-def _env() -> dict:
-    from shardfit.runtime_env import launch_env
-
-    env = launch_env()
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def torchrun_job(args: list[str], nproc: int, timeout: float, log: Path,
                  module: str = "shardfit.bench.worker") -> tuple[int | None, float]:
-    """Run one torchrun job of `module` in its own process group; kill the whole group on timeout.
-    Returns (exit code or None on timeout, seconds)."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
-               "-m", module, *args]
-    start = time.perf_counter()
-    with open(log, "a") as sink:
-        sink.write("$ " + " ".join(command) + "\n")
-        sink.flush()
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            # NOTE: torchrun starts each rank in a session of its own, out of this group's reach: SIGTERM
-            # first lets torchrun stop its ranks (a SIGKILL alone left them hanging in a collective).
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            code = None
-        except BaseException:  # Ctrl-C: the job runs in its own session and would outlive us
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    return code, time.perf_counter() - start
+    """Run one torchrun job of `module`, its output appended to `log`; the launcher stops the whole
+    job at the timeout. Returns (exit code or None on timeout, seconds)."""
+    env = launch_env()
+    env["PYTHONUNBUFFERED"] = "1"
+    done = torchrun(["-m", module, *args], nproc, timeout=timeout, env=env, log=log)
+    return done.returncode, done.seconds
 
 
 def _last_error(log: Path) -> str:
@@ -236,8 +205,6 @@ def bench(plan, strategies: list[str], *, out: Path, nproc: int = 2, warmup: int
           keep_checkpoints: bool = False, deadline_s: float | None = None, progress=print) -> dict:
     """Run every strategy and return the whole report (report.write_all writes it under `out`).
     deadline_s: strategies not started by then are reported as skipped (a time-boxed GPU run)."""
-    from shardfit.bench import analysis
-
     budgets = budgets or {}
     plans = {label: strategy_plan(plan, label, nproc) for label in strategies}  # bad labels fail first
     out.mkdir(parents=True, exist_ok=True)
@@ -269,7 +236,7 @@ def bench(plan, strategies: list[str], *, out: Path, nproc: int = 2, warmup: int
                                  timeout=timeout, checkpoint=False, folder="reference-ddp-fp32")
         reference["precision"] = "fp32"
         progress(f"[ref] {analysis.progress_line(reference)}")
-    analysis.compare(results, plan, reference)
+    analysis.compare(results, plans, reference)
     return {"plan": plan.to_dict(), "strategies": list(strategies), "results": results, "reference": reference,
             "settings": {"nproc": nproc, "warmup": warmup, "steps": steps, "timeout_s": timeout,
                          "budgets": budgets, "checkpoint": checkpoint},

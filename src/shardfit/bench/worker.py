@@ -23,7 +23,16 @@ import time
 import traceback
 from pathlib import Path
 
+from shardfit import engines
 from shardfit.bench.batches import Batches
+from shardfit.bench.comm import CommCounter
+from shardfit.bench.probe import compare, fingerprint, summarize_memory
+from shardfit.data.sampler import Position
+from shardfit.measure.api import profile
+from shardfit.measure.oom import diagnose, worst_rank_diagnosis
+from shardfit.measure.report import gather
+from shardfit.spec.gpus import get_gpu
+from shardfit.spec.plan import plan_from_dict
 
 OOM_EXIT = 3  # the orchestrator reads this exit code as "out of memory" (budget exceeded)
 
@@ -46,15 +55,12 @@ def _args(argv):
 
 
 def _load_plan(path: str):
-    from shardfit.spec.plan import plan_from_dict
-
     return plan_from_dict(json.loads(Path(path).read_text()))
 
 
 def _engine(plan, ctx):
     """The plan's model on shardfit.engines, built on CPU with the plan's seed (same weights
     everywhere)."""
-    from shardfit import engines
     from shardfit.train.loop import build_model
 
     return engines.setup(plan, build_model(plan), ctx)
@@ -93,8 +99,10 @@ def _step(engine, micro_batches, comm=None):
     return loss.detach().float()
 
 
-class BudgetExceeded(RuntimeError):
-    """The measured peak went over --budget-bytes: reported as out of memory."""
+class PeakOverBudget(RuntimeError):
+    """The measured peak went over --budget-bytes: reported as out of memory. (Not the tracker's
+    BudgetExceeded, raised mid-step by an allocation: this one is found after the step, from the
+    peaks gathered over the ranks.)"""
 
 
 def _sync(device):
@@ -118,11 +126,7 @@ def _dir_bytes(path: Path) -> int:
 def _measured_step(engine, micro_batches, plan, budget: int):
     """The instrumented step: shardfit.profile (bytes by phase x category, gathered over ranks)
     and the CommCounter (collectives by kind and phase), both dispatch modes, both on one step."""
-    import shardfit
-    from shardfit.bench.comm import CommCounter
-    from shardfit.measure.report import gather
-
-    prof = shardfit.profile(engine.model, engine.optimizer, plan=plan, budget_bytes=budget or None,
+    prof = profile(engine.model, engine.optimizer, plan=plan, budget_bytes=budget or None,
                             explain_oom=False, label=plan.strategy.label)
     import torch
 
@@ -133,7 +137,6 @@ def _measured_step(engine, micro_batches, plan, budget: int):
         except torch.OutOfMemoryError as exc:
             # This rank's diagnosis, as `shardfit profile` gives it (no collective after an OOM):
             # run_strategy keeps the worst rank's of those the failing ranks wrote.
-            from shardfit.measure.oom import diagnose
 
             exc.diagnosis = diagnose(prof.report(), plan)
             raise
@@ -145,8 +148,6 @@ def _measured_step(engine, micro_batches, plan, budget: int):
 def train(args, plan, ctx) -> dict:
     import torch
     import torch.distributed as dist
-
-    from shardfit.bench.probe import summarize_memory
 
     device, world = ctx.device, ctx.world_size
     if device.type == "cuda":
@@ -170,12 +171,10 @@ def train(args, plan, ctx) -> dict:
                           host_bytes=max(cats.get("host", 0) for cats in gathered.phases.values()))
             ooms = gathered.ooms
             if after and args.budget_bytes and max(gathered.peak_by_rank()) > args.budget_bytes:
-                raise BudgetExceeded(f"over the {args.budget_bytes} B budget: measured peak "
+                raise PeakOverBudget(f"over the {args.budget_bytes} B budget: measured peak "
                                      f"{max(gathered.peak_by_rank())} B per rank")
             if ooms:
-                from shardfit.measure.oom import worst_rank_diagnosis
-
-                error = BudgetExceeded(f"over the {args.budget_bytes} B budget on rank {ooms[0]['rank']} "
+                error = PeakOverBudget(f"over the {args.budget_bytes} B budget on rank {ooms[0]['rank']} "
                                        f"in {ooms[0].get('phase')}: {ooms[0].get('message', '')}")
                 error.diagnosis = worst_rank_diagnosis(gathered.ranks, plan)  # what `shardfit profile` says
                 raise error
@@ -225,8 +224,6 @@ def _save_with_reference(args, plan, ctx, engine, batches, total: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from shardfit.bench.probe import fingerprint
-    from shardfit.data.sampler import Position
     from shardfit.train.saver import save_checkpoint
 
     world = ctx.world_size
@@ -258,8 +255,6 @@ def _cuda_memory(device) -> dict | None:
 
 def _mfu(plan, tokens_per_s: float, world: int) -> float:
     """Model FLOPs utilisation: 6·N FLOPs per token (forward + backward) over the GPUs' bf16 peak."""
-    from shardfit.spec.gpus import get_gpu
-
     peak = get_gpu(plan.cluster.gpu).bf16_tflops * 1e12 * world
     return 6 * plan.model.n_params * tokens_per_s / peak
 
@@ -269,7 +264,6 @@ def verify(plan, ckpt: str, ctx) -> dict:
     import torch
     import torch.distributed as dist
 
-    from shardfit.bench.probe import compare, fingerprint
     from shardfit.train.checkpoint import load_checkpoint
 
     root = Path(ckpt)
@@ -313,7 +307,7 @@ def _guarded(run, label: str) -> tuple[dict, int]:
 
     try:
         return run(), 0
-    except (BudgetExceeded, torch.OutOfMemoryError) as exc:
+    except (PeakOverBudget, torch.OutOfMemoryError) as exc:
         diagnosis = getattr(exc, "diagnosis", None)
         return {"strategy": label, "status": "oom", "error": str(exc).splitlines()[0][:500],
                 **({"diagnosis": diagnosis.to_dict()} if diagnosis is not None else {})}, OOM_EXIT

@@ -6,7 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from shardfit.bench import report as report_mod
+from shardfit.bench.run import bench, default_strategies, load_bench_plan, parse_budgets, strategy_plan
 from shardfit.errors import ShardfitError
+from shardfit.fit.steptime import step_time
+from shardfit.spec.device_profile import load_profile
+from shardfit.spec.plan import parse_strategy
 
 
 def add_arguments(parser) -> None:
@@ -28,9 +33,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from shardfit.bench import report as report_mod
-    from shardfit.bench.run import bench, default_strategies, load_bench_plan, parse_budgets
-
     if args.steps < 2 or args.warmup < 2:
         # NOTE: the instrumented step is the last warm-up step; on the first step optimizer states
         # are still being created lazily, so measuring it would not be a steady-state step.
@@ -43,7 +45,6 @@ def run(args) -> int:
     labels = [s.strip() for s in (args.strategies or ",".join(default_strategies(nproc))).split(",") if s.strip()]
     if len(set(labels)) != len(labels):
         raise ShardfitError(f"--strategies lists a strategy twice: {','.join(labels)}")
-    from shardfit.spec.plan import parse_strategy
 
     for label in labels:
         parse_strategy(label)  # an unknown strategy fails here, in one line, before any launch
@@ -58,8 +59,6 @@ def run(args) -> int:
     plan = load_bench_plan(args.plan, nproc)
     profile = None
     if args.device_profile:
-        from shardfit.spec.device_profile import load_profile
-
         profile = load_profile(args.device_profile).as_gpu()
     out = Path(args.out)
     print(f"shardfit bench: {plan.model.name}, {nproc} ranks, {len(labels)} strategies, "
@@ -83,9 +82,6 @@ def run(args) -> int:
 def _predicted_times(report: dict, plan, nproc: int, gpu) -> list[str]:
     """Each ok row's predicted step time (fit's step-time model under the profile) beside its
     measured median, stored in the report as predicted_step_s."""
-    from shardfit.bench.run import strategy_plan
-    from shardfit.fit.steptime import step_time
-
     lines = []
     for result in report["results"]:
         if result.get("status") != "ok" or not result.get("step_time_s"):

@@ -2,6 +2,10 @@
 overlap, host-copy and optimizer rates; plan / fit / bench then use them with --device-profile."""
 from __future__ import annotations
 
+from shardfit.bench.calibrate import calibrate, summary
+from shardfit.commands.bench import _default_nproc
+from shardfit.errors import ShardfitError
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("-o", "--output", default="device-profile.json",
@@ -13,10 +17,6 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from pathlib import Path
-
-    from shardfit.bench.calibrate import calibrate, summary
-    from shardfit.commands.bench import _default_nproc
-    from shardfit.errors import ShardfitError
 
     if args.nproc is not None and args.nproc < 2:
         raise ShardfitError(f"--nproc must be at least 2 (collectives need two ranks), got {args.nproc}")

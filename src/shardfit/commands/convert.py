@@ -4,6 +4,8 @@ any world size: `shardfit train --strategy fsdp2 --resume DIR`. The other way ne
 `shardfit train --strategy zero3 --resume DCP_CHECKPOINT` loads the DCP state into ZeRO's partitions."""
 from __future__ import annotations
 
+from shardfit.train.convert import deepspeed_to_dcp
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("checkpoint", help="a DeepSpeed checkpoint folder written by `shardfit train` (step-K)")
@@ -17,7 +19,6 @@ def run(args) -> int:
     from pathlib import Path
 
     from shardfit.train.checkpoint import resolve_resume
-    from shardfit.train.convert import deepspeed_to_dcp
 
     source = resolve_resume(args.checkpoint, Path(args.checkpoint))
     out = deepspeed_to_dcp(source, Path(args.out))

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import json
 
+from shardfit.doctor import Context, diagnose
+from shardfit.errors import ShardfitError
+from shardfit.spec.gpus import get_gpu, split_gpus
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import parse_activation_checkpointing
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("configs", nargs="+", metavar="CONFIG",
@@ -42,29 +48,22 @@ def format_report(report) -> str:
 
 
 def run(args) -> int:
-    from shardfit.doctor import Context, diagnose
-    from shardfit.errors import ShardfitError
-
     for name in ("gpus", "nodes", "seq", "global_batch", "micro_batch", "grad_accum"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ShardfitError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     model = gpu = None
     if args.model:
-        from shardfit.spec.models import load_model_spec
         model = load_model_spec(args.model)
     if args.gpu:
-        from shardfit.spec.gpus import get_gpu
         gpu = get_gpu(args.gpu)
     nodes, per_node = args.nodes, None
     if args.gpus is not None:
-        from shardfit.spec.gpus import split_gpus
         nodes, per_node = split_gpus(args.gpus, args.nodes)
     if args.host_memory_gib is not None and not args.host_memory_gib > 0:
         raise ShardfitError(f"--host-memory-gib must be a positive number of GiB, got {args.host_memory_gib}")
     ac = None
     if args.ac is not None:
-        from shardfit.spec.plan import parse_activation_checkpointing
         parse_activation_checkpointing(args.ac)  # a bad value is one line here
         ac = args.ac.strip().lower() != "none"
     ctx = Context(model=model, gpu=gpu, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,

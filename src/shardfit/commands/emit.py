@@ -6,6 +6,10 @@ import os
 import sys
 from pathlib import Path
 
+from shardfit.emit import EmitOptions, emit, write_files
+from shardfit.errors import ShardfitError
+from shardfit.spec.planfile import load_plan
+
 FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 / single (runnable script), lightning "
                "(strategy args), hf-trainer (TrainingArguments JSON), torchrun (launch script), deepspeed-launcher "
                "(two files: run_deepspeed.sh + hostfile), slurm (sbatch script)")
@@ -29,11 +33,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from shardfit.emit import EmitOptions, emit, write_files
-    from shardfit.spec.planfile import load_plan
-
     if not 1 <= args.master_port <= 65535:
-        from shardfit.errors import ShardfitError
         raise ShardfitError(f"--master-port must be between 1 and 65535, got {args.master_port}")
     plan = load_plan(args.plan)
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
@@ -57,8 +57,6 @@ def run(args) -> int:
 def output_target(output: str, files: dict[str, str], fmt: str, force: bool) -> tuple[Path, bool]:
     """Where `-o PATH` puts the files, checked before anything is written: (path, True) for the file
     itself, (folder, False) for a folder that gets each file under its own name."""
-    from shardfit.errors import ShardfitError
-
     target = Path(output)
     if len(files) == 1 and not target.is_dir() and not output.endswith(("/", os.sep)):
         if target.exists() and not target.is_file():

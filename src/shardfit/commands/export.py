@@ -3,7 +3,10 @@ Hugging Face model folder (config.json + safetensors) that from_pretrained loads
 no GPU, tensor by tensor."""
 from __future__ import annotations
 
+from shardfit.errors import ShardfitError
+from shardfit.spec.planfile import read_plan_data
 from shardfit.spec.sizes import gib_type
+from shardfit.train.export import copy_tokenizer_note, export_checkpoint
 
 
 def add_arguments(parser) -> None:
@@ -17,9 +20,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from shardfit.errors import ShardfitError
     from shardfit.train.checkpoint import resolve_resume
-    from shardfit.train.export import export_checkpoint
 
     if args.max_shard_gb <= 0:
         raise ShardfitError("--max-shard-gb must be positive")
@@ -29,8 +30,6 @@ def run(args) -> int:
     print(f"exported {source} -> {args.out}: {len(files)} safetensors file(s), {total / 2**20:.1f} MiB")
     tokenizer = recorded_tokenizer(source)  # after export_checkpoint, which checks the checkpoint's files first
     if tokenizer is not None:
-        from shardfit.train.export import copy_tokenizer_note
-
         copy_tokenizer_note(Path(args.out), tokenizer)  # what `shardfit train --export` writes next to the weights
     return 0
 
@@ -41,8 +40,6 @@ def recorded_tokenizer(checkpoint) -> str | None:
     when that is unknown or the folder is gone (the weights are exported all the same)."""
     import sys
     from pathlib import Path
-
-    from shardfit.spec.planfile import read_plan_data
 
     plan_file = Path(checkpoint) / "plan.yaml"
     if not plan_file.is_file():

@@ -6,6 +6,15 @@ import json
 import sys
 
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
+from shardfit.errors import ShardfitError
+from shardfit.fit import fit, FitRequest
+from shardfit.fit.report import format_text, to_json
+from shardfit.measure.verify import verify
+from shardfit.spec.device_profile import load_profile
+from shardfit.spec.gpus import get_gpu, split_gpus
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import Plan, Schedule
+from shardfit.spec.planfile import dump_plan
 from shardfit.spec.sizes import gib_type
 
 
@@ -44,11 +53,6 @@ def add_arguments(parser) -> None:
 
 
 def request_from_args(args):
-    from shardfit.errors import ShardfitError
-    from shardfit.fit import FitRequest
-    from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import Plan, Schedule
-
     engines = tuple(e.strip().lower() for e in args.engine.split(",") if e.strip())
     unknown = [e for e in engines if e not in ("single", "ddp", "deepspeed", "fsdp")]
     if unknown:
@@ -62,14 +66,11 @@ def request_from_args(args):
         if args.steps < 1:
             raise ShardfitError(f"--steps must be at least 1, got {args.steps}")
         base = base.with_changes(schedule=Schedule(steps=args.steps, warmup_steps=min(5, args.steps)))
-    from shardfit.spec.gpus import get_gpu, split_gpus
     gpu_name = args.gpu or "H100-80GB"
     get_gpu(gpu_name)  # a bad GPU name fails here, in one line
     nodes, per_node = split_gpus(args.gpus, args.nodes)
     profiled = None
     if args.device_profile:
-        from shardfit.spec.device_profile import load_profile
-
         profile = load_profile(args.device_profile)
         profiled = profile.as_gpu(memory_gib=get_gpu(args.gpu).memory_gib if args.gpu else None)
         if args.gpu is None:
@@ -81,9 +82,6 @@ def request_from_args(args):
 
 
 def run(args) -> int:
-    from shardfit.fit import fit
-    from shardfit.fit.report import format_text, to_json
-
     request = request_from_args(args)
     result = fit(request)
     if request.device_profile is not None:
@@ -94,15 +92,12 @@ def run(args) -> int:
             "rates, no datasheet efficiencies)",))
     checked = None
     if args.verify and result.best is not None:
-        from shardfit.fit.verify import verify
         checked = verify(result)
     ok = result.fits and (checked is None or checked.fits)
     if args.output and ok and "nvme" in result.best.plan.strategy.label and not args.nvme_path:
-        from shardfit.errors import ShardfitError
         raise ShardfitError(f"the best plan offloads to NVMe: give --nvme-path (a local NVMe mount) so "
                             f"{args.output} names a real one")
     if args.output and ok:
-        from shardfit.spec.planfile import dump_plan
         dump_plan(result.best.plan, args.output)
     if args.json:
         data = to_json(result)

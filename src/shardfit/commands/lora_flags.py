@@ -7,6 +7,10 @@ means QLoRA: a 4- or 8-bit base cannot be fully fine-tuned. Old spellings still 
 """
 from __future__ import annotations
 
+from shardfit.errors import ShardfitError
+from shardfit.estimate.lora_targets import lora_for
+from shardfit.spec.plan import LORA_BASE_DTYPES
+
 # The old spellings (--lora-rank in train, --lora-base-dtype in plan) are kept as deprecated aliases of
 # the same option: they work silently (a note on stderr would break the one-line error rule when the
 # same command line also fails) and --help lists them after the name to use.
@@ -36,10 +40,6 @@ def lora_targets(args) -> tuple[str, ...] | None:
 
 def lora_from_args(args, model, current=None):
     """The LoRA the flags ask for (over the plan's own `current`), or `current` when no flag is given."""
-    from shardfit.errors import ShardfitError
-    from shardfit.estimate.lora_targets import lora_for
-    from shardfit.spec.plan import LORA_BASE_DTYPES
-
     if not lora_asked(args):
         return current
     if args.lora_r is not None and args.lora_r < 1:

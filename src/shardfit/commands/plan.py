@@ -8,6 +8,15 @@ from pathlib import Path
 
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
 from shardfit.errors import ShardfitError
+from shardfit.estimate import report
+from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, estimate, OPTIMIZER_IMPLS
+from shardfit.fit.steptime import step_time
+from shardfit.spec.device_profile import load_profile
+from shardfit.spec.gpus import get_gpu, split_gpus
+from shardfit.spec.model_spec import params_only_spec
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import parse_strategy, Plan, validate_plan
+from shardfit.spec.planfile import load_plan, read_plan_data
 
 # single is listed only for a one-GPU cluster: everywhere else it is not a way to run the plan.
 ALL_STRATEGIES = ("single", "ddp", "fsdp:full_shard", "fsdp:shard_grad_op", "fsdp:hybrid_shard", "fsdp:no_shard", "fsdp2",
@@ -54,7 +63,6 @@ def _is_plan_file(ref: str) -> bool:
     if suffix in (".yaml", ".yml"):
         return True
     if suffix == ".json" and path.is_file():
-        from shardfit.spec.planfile import read_plan_data
         return "model" in read_plan_data(path)
     return False
 
@@ -67,16 +75,12 @@ def _split_gpus(args, cluster):
         raise ShardfitError(f"--nodes must be at least 1, got {nodes}")
     if gpus is None:
         return replace(cluster, nodes=nodes)
-    from shardfit.spec.gpus import split_gpus
     nodes, per_node = split_gpus(gpus, nodes)
     return replace(cluster, nodes=nodes, gpus_per_node=per_node)
 
 
 def build_plan(args):
     """The base Plan from MODEL / --params / PLAN file, with the flags applied on top."""
-    from shardfit.spec.model_spec import params_only_spec
-    from shardfit.spec.plan import Plan
-
     if args.params is not None:
         if args.model is not None:
             raise ShardfitError("give either MODEL or --params, not both")
@@ -84,10 +88,8 @@ def build_plan(args):
     elif args.model is None:
         raise ShardfitError("plan needs a MODEL (preset, config path, PLAN.yaml) or --params N")
     elif _is_plan_file(args.model):
-        from shardfit.spec.planfile import load_plan
         plan = load_plan(args.model)
     else:
-        from shardfit.spec.models import load_model_spec
         plan = Plan(model=load_model_spec(args.model))
     if args.largest_layer is not None and args.params is None:
         raise ShardfitError("--largest-layer only goes with --params")
@@ -133,8 +135,6 @@ def no_valid_strategy(skipped: list[tuple[str, str]]) -> ShardfitError:
 
 def strategies_for(args, plan):
     """[(strategy, explicit)]: the asked strategies, or every strategy (invalid ones get skipped)."""
-    from shardfit.spec.plan import parse_strategy
-
     base = plan.strategy
     knobs = {f: getattr(base, f) for f in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
                                            "param_persistence_threshold", "max_live_parameters", "overlap_comm",
@@ -166,11 +166,6 @@ def strategies_for(args, plan):
 
 
 def run(args) -> int:
-    from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, OPTIMIZER_IMPLS, estimate
-    from shardfit.estimate import report
-    from shardfit.spec.gpus import get_gpu
-    from shardfit.spec.plan import validate_plan
-
     for value, choices, flag in ((args.accounting, ACCOUNTING, "--accounting"), (args.device, DEVICES, "--device"),
                                  (args.checkpoint, CHECKPOINT_MODES, "--checkpoint"),
                                  (args.optimizer_impl, OPTIMIZER_IMPLS, "--optimizer-impl")):
@@ -182,8 +177,6 @@ def run(args) -> int:
     gpu = get_gpu(plan.cluster.gpu)
     profile = None
     if args.device_profile:
-        from shardfit.spec.device_profile import load_profile
-
         profile = load_profile(args.device_profile).as_gpu(memory_gib=gpu.memory_gib)
     rows, skipped, times = [], [], {}
     for strategy, explicit in strategies_for(args, plan):
@@ -225,8 +218,6 @@ def run(args) -> int:
 
 def _step_seconds(plan, gpu):
     """Predicted seconds per optimizer step, or why there is none (a link the profile lacks)."""
-    from shardfit.fit.steptime import step_time
-
     try:
         return step_time(plan, gpu).total_s
     except ShardfitError as exc:

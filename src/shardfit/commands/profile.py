@@ -4,13 +4,24 @@ category, the measured bytes next to the estimator's prediction with the error o
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
-import os
+import math
 import sys
-import tempfile
 from pathlib import Path
 
 from shardfit.commands.lora_flags import add_lora_arguments
+from shardfit.errors import ShardfitError
+from shardfit.estimate.lora_targets import with_default_targets
+from shardfit.measure.chart import write_chart
+from shardfit.measure.compare import format_comparison
+from shardfit.measure.oom import Diagnosis, format_diagnosis, worst_rank_diagnosis
+from shardfit.measure.report import GatheredReport, RankReport, format_phase_table
+from shardfit.measure.run import load_plan, run_plan_worker, run_script
+from shardfit.spec.fields import lora_section
+from shardfit.spec.plan import parse_strategy
+from shardfit.spec.planfile import read_plan_data
 from shardfit.spec.sizes import size_type
 
 DEFAULT_PLAN = {"model": "tiny-llama", "strategy": {"kind": "ddp"},
@@ -46,31 +57,21 @@ def add_arguments(parser) -> None:
 
 
 def argparse_suppress():
-    import argparse
-
     return argparse.SUPPRESS
 
 
 def build_plan_dict(args) -> dict:
-    from shardfit.errors import ShardfitError
-    from shardfit.spec.fields import lora_section
-
     data = json.loads(json.dumps(DEFAULT_PLAN))
     if args.plan:
         path = Path(args.plan)
         if not path.is_file():
             raise ShardfitError(f"plan file '{args.plan}' not found: give a YAML/JSON plan or use --model/--strategy")
-        from shardfit.spec.planfile import read_plan_data
-
         data = read_plan_data(path)  # the one plan reader: one-line errors, duplicate keys refused
     training = dict(data.get("training") or {})
     strategy = data.get("strategy") or {}
     if args.model:
         data["model"] = args.model
     if args.strategy:
-        from shardfit.spec.plan import parse_strategy
-        import dataclasses
-
         parsed = parse_strategy(args.strategy)
         strategy = {f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)
                     if getattr(parsed, f.name) != f.default}
@@ -84,8 +85,6 @@ def build_plan_dict(args) -> dict:
             training[key] = getattr(args, flag)
     lora = lora_section(training.get("lora"), args.lora_r, args.lora_targets, args.lora_base, "fp32")
     if lora is not None:
-        from shardfit.estimate.lora_targets import with_default_targets
-
         training["lora"] = with_default_targets(lora, data.get("model"))
     cluster = dict(data.get("cluster") or {})
     cluster.setdefault("nodes", 1)
@@ -94,39 +93,9 @@ def build_plan_dict(args) -> dict:
     return data
 
 
-def _launch(module_args: list[str], nproc: int, timeout: float):
-    import subprocess
-
-    from shardfit.errors import ShardfitError
-
-    from shardfit.runtime_env import launch_env
-
-    env = launch_env()
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-               f"--master-port={_free_port()}", *module_args]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise ShardfitError(f"the profiled run did not finish within {timeout:.0f}s (a hang?): raise --timeout") from None
-    return done
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(args) -> int:
-    from shardfit.errors import ShardfitError
-
     if args.nproc is not None and args.nproc < 1:
         raise ShardfitError("--nproc must be at least 1")
-    import math
-    from pathlib import Path
-
     if args.budget is not None and (not math.isfinite(args.budget) or args.budget <= 0):
         raise ShardfitError(f"--budget must be a positive number of bytes, got {args.budget:g}")
     if args.steps < 1:
@@ -143,35 +112,18 @@ def run(args) -> int:
         return _run_script(args)
     if args.script_args:
         raise ShardfitError(f"unexpected argument '{args.script_args[0]}': arguments after -- go with --script")
-    from shardfit.measure.worker import load_plan
-
     data = build_plan_dict(args)
     plan = load_plan(data)  # fail fast, here, on a bad plan
     config = {"plan": data, "steps": args.steps, "checkpoint": args.checkpoint,
               "budget_bytes": int(args.budget) if args.budget else None, "label": plan.strategy.label}
-    with tempfile.TemporaryDirectory() as tmp:
-        configs, out = Path(tmp) / "configs.json", Path(tmp) / "out.jsonl"
-        configs.write_text(json.dumps([config]))
-        done = _launch(["-m", "shardfit.measure.worker", str(configs), str(out)], plan.cluster.world_size,
-                       args.timeout)
-        if not out.exists():
-            tail = (done.stderr or "").strip().splitlines()[-5:]
-            raise ShardfitError("the profiled run failed before reporting: " + " | ".join(tail))
-        result = json.loads(out.read_text().splitlines()[0])
+    result = run_plan_worker(config, plan.cluster.world_size, args.timeout)
     return _print_result(result, plan, args)
 
 
 def _print_result(result: dict, plan, args) -> int:
-    from shardfit.errors import ShardfitError
-    from shardfit.measure.compare import format_comparison
-    from shardfit.measure.oom import Diagnosis, format_diagnosis
-    from shardfit.measure.report import GatheredReport, RankReport, format_phase_table
-
     if result.get("error") and result["error"] != "oom":
         raise ShardfitError(f"the profiled run failed: {result['error']}")
     if args.chart and result.get("measured"):
-        from shardfit.measure.chart import write_chart
-
         write_chart(result["measured"], (result.get("estimate") or {}).get("phases"), args.chart,
                     title=f"{plan.model.name} {result['label']} {plan.training.precision} "
                           f"AC {plan.training.activation_checkpointing}")
@@ -199,30 +151,17 @@ def _print_result(result: dict, plan, args) -> int:
 
 
 def _run_script(args) -> int:
-    from shardfit.errors import ShardfitError
-    from shardfit.measure.report import GatheredReport, RankReport, format_phase_table
-
     script = Path(args.script)
     if not script.is_file():
         raise ShardfitError(f"script '{args.script}' not found")
-    with tempfile.TemporaryDirectory() as tmp:
-        launch_args = ["-m", "shardfit.measure.script_runner", tmp, str(script), *args.script_args]
-        if args.budget:
-            os.environ["SHARDFIT_MEMORY_BUDGET"] = str(int(args.budget))
-        done = _launch(launch_args, args.nproc or 2, args.timeout)
-        files = sorted(Path(tmp).glob("rank*.json"))
-        if not files:
-            tail = (done.stderr or "").strip().splitlines()[-5:]
-            raise ShardfitError(f"the script failed before reporting (exit {done.returncode}): " + " | ".join(tail))
-        datas = [json.loads(f.read_text()) for f in files]
-        ranks = tuple(RankReport.from_dict(d) for d in datas)
+    datas, returncode = run_script(script, list(args.script_args), args.nproc or 2, args.timeout,
+                                   int(args.budget) if args.budget else None)
+    ranks = tuple(RankReport.from_dict(d) for d in datas)
     gathered = GatheredReport(ranks=ranks)
     failures = [(d["rank"], d["script"]) for d in datas if (d.get("script") or {}).get("exit_code")]
     if failures and not gathered.ooms:
         _print_script_failures(failures)
     if args.chart:
-        from shardfit.measure.chart import write_chart
-
         write_chart(gathered.phases, None, args.chart, title=f"{script.name} (measured)")
     if args.json:
         print(json.dumps(dict(gathered.to_dict(), failures=[dict(s, rank=r) for r, s in failures]), indent=1))
@@ -234,11 +173,9 @@ def _run_script(args) -> int:
         print(format_phase_table(gathered.phases, title=title))
         for line in gathered.imbalance_lines():
             print(f"imbalance: {line}")
-        from shardfit.measure.oom import format_diagnosis, worst_rank_diagnosis
-
         if gathered.ooms:
             print(format_diagnosis(worst_rank_diagnosis(ranks)))
-    return 3 if gathered.ooms else (0 if done.returncode == 0 else 1)
+    return 3 if gathered.ooms else (0 if returncode == 0 else 1)
 
 
 def _print_script_failures(failures: list) -> None:

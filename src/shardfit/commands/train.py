@@ -10,7 +10,10 @@ import os
 import sys
 
 from shardfit.commands.lora_flags import add_lora_arguments
+from shardfit.errors import ShardfitError
 from shardfit.spec.sizes import size_type
+from shardfit.train import autopilot, preempt, supervise
+from shardfit.train.launch import build_plan, default_nproc, inside_launch
 
 
 def add_arguments(parser) -> None:
@@ -69,12 +72,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from shardfit.errors import ShardfitError
-    from shardfit.train.launch import build_plan, default_nproc, inside_launch
-
     if (args.nproc is not None and args.nproc < 1) or args.nnodes < 1:
         raise ShardfitError("--nproc and --nnodes must be at least 1")
-    from shardfit.train import supervise
 
     if not inside_launch():
         if args.nproc is None:
@@ -90,7 +89,6 @@ def run(args) -> int:
         # Library deprecation notices (torch collectives called by DeepSpeed, transformers renames)
         # repeat on every rank and say nothing a user of `shardfit train` can act on.
         warnings.filterwarnings("ignore", category=FutureWarning)
-    from shardfit.train import autopilot, preempt
     from shardfit.train.loop import DEFAULT_PROMPT, RunOptions, train
 
     supervise.export_env(args)

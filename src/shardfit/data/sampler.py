@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from shardfit.errors import ShardfitError
+
 MEGABATCH = 64  # examples sorted together by length; independent of the world size on purpose
 
 
@@ -43,7 +45,6 @@ class DistributedBatches:
     def __init__(self, lengths: list[int], micro_batch: int, rank: int, world_size: int, seed: int,
                  group_by_length: bool = True, position: Position | None = None):
         if micro_batch * world_size > len(lengths):
-            from shardfit.errors import ShardfitError
             raise ShardfitError(f"{len(lengths)} training examples can't fill one step of micro_batch {micro_batch} "
                                 f"on {world_size} ranks: use more data or a smaller micro_batch")
         self.lengths, self.micro_batch, self.rank, self.world_size = lengths, micro_batch, rank, world_size

@@ -6,6 +6,9 @@ from dataclasses import dataclass, replace
 from shardfit.doctor.rules import RULES, Context, Finding
 from shardfit.doctor.setup import Setup, read_setup
 from shardfit.doctor.source import scan_source
+from shardfit.spec.gpus import get_gpu
+from shardfit.spec.model_spec import ModelSpec
+from shardfit.spec.models import load_model_spec
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
@@ -25,10 +28,8 @@ class Report:
 def _model_from_setup(setup: Setup):
     if setup.model_ref is None:
         return None
-    from shardfit.spec.model_spec import ModelSpec
     if isinstance(setup.model_ref, dict):
         return ModelSpec.from_dict(setup.model_ref)
-    from shardfit.spec.models import load_model_spec
     return load_model_spec(str(setup.model_ref))
 
 
@@ -75,7 +76,6 @@ def diagnose(paths, ctx: Context | None = None, flags: dict | None = None) -> Re
     if ctx.model is None:
         ctx = replace(ctx, model=_model_from_setup(setup))
     if ctx.gpu is None and setup.gpu:
-        from shardfit.spec.gpus import get_gpu
         ctx = replace(ctx, gpu=get_gpu(setup.gpu))
     findings: list[Finding] = []
     for rule in RULES:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardfit.doctor.setup import Setup
+from shardfit.estimate.estimator import estimate
+from shardfit.fit.host import assumed_host_gib
 from shardfit.spec.gpus import GPU
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import Cluster, Plan, Strategy, Training
@@ -104,10 +106,7 @@ def plan_of(setup: Setup, ctx: Context, **changes) -> Plan | None:
 
 
 def _fits(plan: Plan, ctx: Context) -> tuple[bool, int]:
-    estimate = ctx.estimate_fn
-    if estimate is None:
-        from shardfit.estimate.estimator import estimate
-    est = estimate(plan)
+    est = (ctx.estimate_fn or estimate)(plan)
     return est.fits(ctx.gpu.memory_bytes, MARGIN), est.device_peak_bytes
 
 
@@ -302,7 +301,6 @@ def full_state_dict_rank0(setup: Setup, ctx: Context) -> list[Finding]:
                         message="checkpoints gather the full state dict into rank 0's host RAM: fine for small models, "
                                 "out of host memory at save time for big ones (give --model and --host-memory-gib to check)",
                         fix=fix, where=setup.origin("full_state_dict"))]
-    from shardfit.fit.host import assumed_host_gib
 
     width = 2 if setup.engine == "deepspeed" else 4  # DS gathers 16-bit weights; FSDP's sharded params are fp32
     full = ctx.model.n_params * width
@@ -378,7 +376,3 @@ def zero12_nvme_offload(setup: Setup, ctx: Context) -> list[Finding]:
 RULES = (does_not_fit, fsdp_without_auto_wrap, fp16_without_loss_scaling, fp16_where_bf16, no_ac_long_sequences,
          use_cache_with_checkpointing, bucket_too_large, zero3_where_zero2_fits, offload_not_needed,
          full_shard_slow_links, full_state_dict_rank0, auto_values, batch_mismatch, fsdp1_hybrid_group_of_one, zero12_nvme_offload)
-
-
-def with_model(ctx: Context, model: ModelSpec | None) -> Context:
-    return replace(ctx, model=ctx.model or model)

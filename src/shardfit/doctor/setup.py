@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.planfile import DuplicateKey, json_load_unique, yaml_load_unique
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,8 +230,6 @@ def _load(path: Path) -> dict:
     A key written twice is an error too: DeepSpeed, Accelerate and transformers would silently take
     the last one, so the config would not say what its author reads in it."""
     import yaml
-
-    from shardfit.spec.planfile import DuplicateKey, json_load_unique, yaml_load_unique
 
     try:
         text = path.read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 
 from shardfit.doctor.rules import Finding
+from shardfit.errors import ShardfitError
 
 _OPTIMIZERS = {"Adam", "AdamW", "SGD", "Adafactor", "Lion", "RMSprop", "Adagrad", "AdamW8bit", "DeepSpeedCPUAdam",
                "FusedAdam"}
@@ -217,7 +218,6 @@ def scan_source(text: str, path: str) -> list[Finding]:
     try:
         tree = ast.parse(text, filename=path)
     except SyntaxError as exc:
-        from shardfit.errors import ShardfitError
         raise ShardfitError(f"{path}:{exc.lineno}: not valid Python ({exc.msg}): doctor reads scripts without running them") from None
     findings = []
     for rule in SOURCE_RULES:

@@ -15,8 +15,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from shardfit.errors import ShardfitError
 from shardfit import sac
+from shardfit.errors import ShardfitError
+from shardfit.modeling import block_classes
+from shardfit.runtime_env import process_group_kwargs
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
 
@@ -44,8 +46,6 @@ def init_distributed() -> DistContext:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        from shardfit.train.watchdog import process_group_kwargs
-
         # --collective-timeout, and a fresh store namespace per torchrun restart
         dist.init_process_group(backend=backend, **process_group_kwargs())
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
@@ -100,8 +100,6 @@ def unwrap(model):
 def prepare_model(plan: Plan, model):
     """Before any wrapping, on CPU, identical on every rank: LoRA adapters, activation
     checkpointing per block, pure-bf16 cast."""
-    from shardfit.modeling import block_classes
-
     t = plan.training
     blocks_cls = tuple(block_classes(model, plan.model if plan.model.block_class else None))
     if t.lora is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from shardfit.engines import base
+from shardfit.engines.dcp_io import SafeMetadataReader
 from shardfit.errors import ShardfitError
 from shardfit.spec.deepspeed_config import zero_optimization
 
@@ -153,8 +154,6 @@ def _load_from_dcp(engine, optimizer, path: Path, stage: int, ctx) -> None:
     import torch.distributed.checkpoint as dcp
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from shardfit.engines.dcp_io import SafeMetadataReader
 
     metadata = SafeMetadataReader(str(path)).read_metadata().state_dict_metadata
     named = dict(base.unwrap(engine.module).named_parameters())

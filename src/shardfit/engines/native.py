@@ -2,7 +2,7 @@
 scaling, and DCP checkpoints (sharded, resharding on load, so another world size can resume)."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable
 
@@ -10,6 +10,7 @@ import torch
 
 from shardfit.engines import quantized_state
 from shardfit.engines.base import DistContext, Engine, to_device
+from shardfit.engines.dcp_io import async_save_state, SafeMetadataReader, save_with_checksums
 from shardfit.spec.plan import Plan
 
 
@@ -24,7 +25,7 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
 
     def forward_backward(batch: dict, last: bool):
         with sync(last):
-            with (autocast() if autocast else _null()):
+            with (autocast() if autocast else nullcontext()):
                 loss = model(**to_device(batch, ctx.device)).loss
             scaled = loss.float() / accum
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
@@ -55,8 +56,6 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     def save(directory: Path) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
 
-        from shardfit.engines.dcp_io import save_with_checksums
-
         if quantized:
             msd = quantized_state.model_state_dict(model)
             osd = get_optimizer_state_dict(model, optimizer, options=dcp_options)
@@ -67,8 +66,6 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     def save_async(directory: Path):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        from shardfit.engines.dcp_io import async_save_state
-
         msd, osd = get_state_dict(model, optimizer, options=dcp_options)
         return async_save_state({"model": msd, "optim": osd}, Path(directory) / "dcp")
 
@@ -76,8 +73,6 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, get_state_dict,
                                                              set_optimizer_state_dict, set_state_dict)
-
-        from shardfit.engines.dcp_io import SafeMetadataReader
 
         reader = SafeMetadataReader(str(Path(directory) / "dcp"))
         if quantized:  # bitsandbytes' extra state-dict keys: see engines/quantized_state.py
@@ -98,7 +93,7 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), (autocast() if autocast else _null()):
+            with torch.no_grad(), (autocast() if autocast else nullcontext()):
                 yield model
         finally:
             model.train(was_training)
@@ -118,8 +113,3 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
                   scheduler=scheduler, forward_backward=forward_backward, step=step, zero_grad=zero_grad,
                   save=save, load=load, inference=inference, full_state=full_state,
                   extra_state=extra_state, load_extra_state=load_extra_state, save_async=save_async)
-
-
-@contextmanager
-def _null():
-    yield

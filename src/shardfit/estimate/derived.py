@@ -29,7 +29,7 @@ from functools import lru_cache
 from shardfit import sac
 from shardfit.errors import ShardfitError
 from shardfit.estimate.forward_timeline import Timeline, peak_instants
-from shardfit.estimate.traced import _masks_as_in_eager, _materialize, _storage_key
+from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
 from shardfit.spec import spec_cache
 from shardfit.spec.derive import build_hf_model, find_blocks, quiet
 from shardfit.spec.models import derived_entry, derived_spec, load_hf_config
@@ -169,8 +169,8 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func is torch.ops.aten._to_copy.default and args and _storage_key(args[0]) in self.params:
-                self.casts.add(_storage_key(out))
+            if func is torch.ops.aten._to_copy.default and args and storage_key(args[0]) in self.params:
+                self.casts.add(storage_key(out))
             part = state["part"]
             outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
             self.timeline.op(part, outputs, str(func))
@@ -185,14 +185,14 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
     copies: dict = {}
     instants: dict = {}  # (b, s) -> {block index: [(saved, temporaries) per op]}
     with FakeTensorMode(allow_non_fake_inputs=True):
-        _materialize(model)
-        params = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        materialize(model)
+        params = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
         for b, s in points:
             saved: dict = {}
             keep = []
 
             def pack(tensor, saved=saved, keep=keep):
-                key = _storage_key(tensor)
+                key = storage_key(tensor)
                 if key not in params and key not in saved:
                     saved[key] = (state["part"], tensor.untyped_storage().nbytes())
                     keep.append(tensor)
@@ -202,11 +202,11 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             state["part"] = "pre"
             # Only autocast's casts are weight copies: a 16-bit model's own fp32 casts (Gemma's
             # 1 + weight) are ordinary saved tensors.
-            timeline = Timeline(_storage_key, params)
+            timeline = Timeline(storage_key, params)
             recorder = Recorder(params if autocast else set(), timeline)
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
-                with (_masks_as_in_eager(), _grouped_mm_on_fake_tensors(),
+                with (masks_as_in_eager(), _grouped_mm_on_fake_tensors(),
                       torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, recorder):
                     model(input_ids=input_ids, labels=input_ids)
             except (RuntimeError, NotImplementedError) as exc:

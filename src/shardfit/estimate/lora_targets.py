@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardfit.estimate.states import model_linears
+from shardfit.spec.model_spec import ModelSpec
+from shardfit.spec.models import model_spec_for
 from shardfit.spec.plan import LoRA
 
 # Attention projections by the leaf names transformers gives them. `c_proj` (GPT-2) and `dense`
@@ -44,8 +46,6 @@ def with_default_targets(lora: dict | None, model_ref) -> dict | None:
     no target_modules (train / profile flags): `model_ref` is the plan's model, a reference or a mapping."""
     if lora is None or lora.get("target_modules"):
         return lora
-    from shardfit.spec.model_spec import ModelSpec
-    from shardfit.spec.models import model_spec_for
 
     model = ModelSpec.from_dict(model_ref) if isinstance(model_ref, dict) else model_spec_for(str(model_ref))
     return {**lora, "target_modules": list(default_lora_targets(model))}

@@ -1,9 +1,19 @@
 """Why each family lost to the best plan. Words, not numbers alone (fit/suggest.py: when nothing fits)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shardfit.fit.families import TIE, engine_of
 from shardfit.fit.steptime import comm_volume
-from shardfit.measure.report import fmt_bytes
+from shardfit.units import fmt_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    """Why a family did not win: one line of `fit`'s "why not the others"."""
+    family: str
+    reason: str
+
 
 def _inter_bytes(plan) -> float:
     """Bytes per step that leave a node: a ring over the nodes sends one rank's volume across each
@@ -65,7 +75,6 @@ def slower_reason(c, best) -> str:
 
 
 def explain_rejections(best, found, smallest, all_families, searched_tiers, search) -> list:
-    from shardfit.fit.search import Rejection
 
     out = []
     for fam in all_families:

@@ -7,7 +7,7 @@ compared with a typical GPU server (below) and plans beyond it are flagged, neve
 """
 from __future__ import annotations
 
-from shardfit.measure.report import fmt_bytes
+from shardfit.units import fmt_bytes
 
 GIB = 1024**3
 # Cloud and DGX GPU servers carry about twice their GPUs' memory in host RAM (DGX H100: 2 TiB for

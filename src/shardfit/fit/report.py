@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from shardfit.fit.host import needs_text, over_assumed
-from shardfit.measure.report import fmt_bytes
+from shardfit.units import fmt_bytes
 
 
 def _s(seconds: float) -> str:

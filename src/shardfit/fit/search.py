@@ -12,14 +12,15 @@ from dataclasses import dataclass, field, replace
 from shardfit.errors import ShardfitError
 from shardfit.estimate.estimator import estimate
 from shardfit.estimate.selective import selective_available
+from shardfit.fit.explain import Rejection, explain_rejections
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.host import assumption_note, needs_text, over_assumed
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
-from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import LoRA, Plan, validate_plan
+from shardfit.units import fmt_bytes
 
 GIB = 1024**3
 MAX_MICRO_BATCH = 64
@@ -64,12 +65,6 @@ class Candidate:
     def label(self) -> str:
         t = self.plan.training
         return f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Rejection:
-    family: str
-    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,8 +228,6 @@ def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_opt
 
 def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     """The fastest plan predicted to fit with margin, alternatives, and why each family lost."""
-    from shardfit.fit.explain import explain_rejections
-
     if not 0 <= request.margin < 1:
         raise ShardfitError(f"--margin must be between 0 and 1 (a fraction of device memory), got {request.margin}")
     if request.seq_len < 1 or request.gpus_per_node < 1 or request.nodes < 1:

@@ -12,9 +12,9 @@ from dataclasses import replace
 from shardfit.errors import ShardfitError
 from shardfit.estimate.lora_targets import lora_for
 from shardfit.fit.host import needs_text
-from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import CATALOG, get_gpu
 from shardfit.spec.plan import Strategy, validate_plan
+from shardfit.units import fmt_bytes
 
 EIGHT_BIT_CAVEAT = ("bitsandbytes block-wise 8-bit states; usually tracks AdamW, watch the loss of the first "
                     "hundred steps")

@@ -21,6 +21,9 @@ import sys
 
 from shardfit.errors import ShardfitError
 from shardfit.estimate.result import PHASES
+from shardfit.measure.cuda import cuda_stats, dump_snapshot
+from shardfit.measure.oom import diagnose, format_diagnosis
+from shardfit.measure.report import RankReport
 from shardfit.spec.sizes import parse_size
 
 
@@ -120,26 +123,28 @@ class Profiler:
 
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        if exc is not None and isinstance(exc, torch.OutOfMemoryError):
-            self.record_oom(exc)
-        self._accountant.end_phase()
-        self._cuda_end_phase()
-        if self._device_type == "cuda":
-            torch.cuda.memory._record_memory_history(enabled=None)
-        self._accountant.__exit__(None, None, None)
-        self._accountant.remove_resize_hook()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for obj, name, original in reversed(self._patched):
-            if original is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, original)
-        self._patched.clear()
+        try:
+            if exc is not None and isinstance(exc, torch.OutOfMemoryError):
+                self.record_oom(exc)
+            self._accountant.end_phase()
+            self._cuda_end_phase()
+        finally:
+            # The mode, hooks and patches come off whatever happened above: a profiler left half
+            # attached would keep accounting (and slowing) every later step.
+            if self._device_type == "cuda":
+                torch.cuda.memory._record_memory_history(enabled=None)
+            self._accountant.__exit__(None, None, None)
+            self._accountant.remove_resize_hook()
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            for obj, name, original in reversed(self._patched):
+                if original is None:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, original)
+            self._patched.clear()
         if self.oom is not None and self.explain_oom:
-            from shardfit.measure.oom import diagnose, format_diagnosis
-
             print(format_diagnosis(diagnose(self.report(), self.plan)), file=sys.stderr)
         return False
 
@@ -312,7 +317,6 @@ class Profiler:
         stats = getattr(self, "_cuda_stats", None)
         if self._device_type != "cuda" or stats is None:
             return
-        from shardfit.measure.cuda import cuda_stats
 
         stats.cuda = cuda_stats()
 
@@ -326,8 +330,6 @@ class Profiler:
         info["step"] = self._step
         info["message"] = str(exc).splitlines()[0] if exc is not None else ""
         if self._device_type == "cuda":
-            from shardfit.measure.cuda import cuda_stats, dump_snapshot
-
             info["cuda"] = cuda_stats()
             info["snapshot"] = dump_snapshot(self.snapshot_path or f"shardfit-oom-rank{_rank()}.pickle")
         if accountant is not None:
@@ -336,8 +338,6 @@ class Profiler:
         return info
 
     def report(self):
-        from shardfit.measure.report import RankReport
-
         return RankReport.from_profiler(self)
 
 

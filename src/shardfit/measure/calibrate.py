@@ -12,7 +12,7 @@ import sys
 from collections import defaultdict
 
 from shardfit.estimate.result import CATEGORIES
-from shardfit.measure.report import fmt_bytes
+from shardfit.units import fmt_bytes
 
 TERM_TOLERANCE, SMALL_TERM, PEAK_TOLERANCE = 0.05, 0.01, 0.10
 

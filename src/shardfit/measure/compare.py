@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from shardfit.estimate.result import CATEGORIES, PHASES
-from shardfit.measure.report import fmt_bytes
+from shardfit.units import fmt_bytes
 
 
 def rel_error(measured: int, predicted: int) -> float | None:

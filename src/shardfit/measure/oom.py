@@ -7,8 +7,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardfit.errors import ShardfitError
+from shardfit.estimate.estimator import estimate
 from shardfit.estimate.result import CATEGORIES
-from shardfit.measure.report import fmt_bytes
+from shardfit.measure.cuda import cuda_stats
+from shardfit.spec.gpus import get_gpu
+from shardfit.spec.plan import validate_plan
+from shardfit.units import fmt_bytes
 
 # reserved ≫ allocated: the allocator holds memory it can't hand out in one piece.
 _FRAGMENTATION_SHARE = 0.25
@@ -141,12 +146,6 @@ def how_to_apply(changes: dict, changed_plan) -> tuple[str, str]:
 
 
 def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -> tuple[list[Fix], list[str]]:
-    try:
-        from shardfit.estimate.estimator import estimate
-    except ImportError:
-        return [], ["the estimator is not available: no sized fixes"]
-    from shardfit.errors import ShardfitError
-
     def peak(p):
         # On a CPU (a rehearsal under a budget) only tensor bytes exist: no CUDA context or NCCL.
         est = estimate(p, device="cuda" if on_device else "cpu")
@@ -157,8 +156,6 @@ def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -
     for label, changes in candidate_changes(plan):
         try:
             changed = plan.with_changes(**changes)
-            from shardfit.spec.plan import validate_plan
-
             validate_plan(changed)
             new = peak(changed)
         except ShardfitError as exc:
@@ -191,8 +188,6 @@ def diagnose(report, plan=None) -> Diagnosis | None:
     if limit is None and cuda:
         limit = cuda.get("device_total")
     if limit is None and plan is not None:
-        from shardfit.spec.gpus import get_gpu
-
         gpu = get_gpu(plan.cluster.gpu)
         limit = int(getattr(gpu, "memory_bytes", 0) or getattr(gpu, "memory_gib", 0) * 2**30) or None
         on_device = True
@@ -308,8 +303,6 @@ def untracked_oom(exc, step: int = 0) -> dict:
         import torch
 
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            from shardfit.measure.cuda import cuda_stats
-
             info["cuda"] = cuda_stats()
     except Exception:  # noqa: BLE001 - a broken CUDA context still deserves the rest of the diagnosis
         pass

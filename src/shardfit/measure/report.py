@@ -11,18 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardfit.estimate.result import CATEGORIES, PHASES
-
-UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-
-
-def fmt_bytes(value: float) -> str:
-    sign = "-" if value < 0 else ""
-    value = abs(value)
-    for name, size in UNITS:
-        if value >= size:
-            return f"{sign}{value / size:.2f} {name}"
-    return f"{sign}{int(value)} B"
-
+from shardfit.units import fmt_bytes
 
 @dataclass(frozen=True, kw_only=True)
 class RankReport:

@@ -16,6 +16,8 @@ import os
 import runpy
 import sys
 import traceback
+
+from shardfit.measure.api import profile
 from pathlib import Path
 
 TAIL_LINES = 12
@@ -56,12 +58,10 @@ def _print_script_traceback(exc, script: str) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out_dir, script, script_args = Path(argv[0]), argv[1], argv[2:]
-    import shardfit
-
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     # explain_oom=False: `shardfit profile --script` explains the worst rank's OOM once, not every rank.
-    prof = shardfit.profile(explain_oom=False, label=Path(script).name)
+    prof = profile(explain_oom=False, label=Path(script).name)
     tail = _StderrTail(sys.stderr)
     sys.stderr = tail
     code = 0

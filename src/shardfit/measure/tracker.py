@@ -3,7 +3,7 @@ so live bytes by category are known at every moment on any device, the CPU inclu
 
 How a peak gets its categories: each storage record carries a category (set at creation from the
 phase, then corrected by identity scans, see categories.py). A scan is cheap but not free, so it
-runs at phase boundaries and whenever a phase's peak grew by more than 1% since the last scan; at
+runs at phase boundaries and whenever a phase's peak grew by more than 5% (_RESCAN_GROWTH) since the last scan; at
 the end of a phase the records alive at the peak's moment are summed by category.
 
 Private torch APIs relied on (pinned by tests/measure/test_torch_private_api.py):
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
@@ -305,8 +306,6 @@ class Accountant(TorchDispatchMode):
 
     # ---- dispatch ----------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor run its local ops, which come back here
         if self._scan_pending:

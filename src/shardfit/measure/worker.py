@@ -21,6 +21,16 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from shardfit import engines
+from shardfit.engines.base import init_distributed
+from shardfit.estimate.estimator import estimate
+from shardfit.measure.api import profile
+from shardfit.measure.compare import compare
+from shardfit.measure.oom import worst_rank_diagnosis
+from shardfit.measure.report import gather
+from shardfit.measure.run import load_plan
+from shardfit.modeling import build_model
+
 
 def make_batch(plan, step: int, rank: int, vocab: int) -> dict:
     t = plan.training
@@ -29,29 +39,13 @@ def make_batch(plan, step: int, rank: int, vocab: int) -> dict:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def load_plan(data: dict):
-    from shardfit.spec.models import model_spec_for
-    from shardfit.spec.plan import plan_from_dict
-
-    return plan_from_dict(data, resolve_model=model_spec_for)
-
-
-def estimate_dict(plan, device: str = "cpu") -> dict | None:
-    try:
-        from shardfit.estimate.estimator import estimate
-    except ImportError:
-        return None
+def estimate_dict(plan, device: str = "cpu") -> dict:
     est = estimate(plan, device=device)
     return {"phases": est.phases, "peak_phase": est.peak_phase, "peak_bytes": est.peak_bytes,
             "overhead": est.overhead, "host": est.host, "assumptions": list(est.assumptions)}
 
 
 def run_one(config: dict, ctx, previous: list) -> dict:
-    import shardfit
-    from shardfit import engines
-    from shardfit.measure.report import gather
-    from shardfit.modeling import build_model
-
     plan = load_plan(config["plan"])
     steps = int(config.get("steps", 2))
     budget = config.get("budget_bytes")
@@ -60,7 +54,7 @@ def run_one(config: dict, ctx, previous: list) -> dict:
         forward = previous[index]["measured"]["forward"]
         budget = int(fraction * sum(v for k, v in forward.items() if k != "host"))
     started = time.perf_counter()
-    prof = shardfit.profile(plan=plan, budget_bytes=budget, explain_oom=False, label=plan.strategy.label)
+    prof = profile(plan=plan, budget_bytes=budget, explain_oom=False, label=plan.strategy.label)
     engine = None
     error = None
     with prof:
@@ -88,7 +82,6 @@ def run_one(config: dict, ctx, previous: list) -> dict:
     engine = None
     gc.collect()
     gathered = gather(report, everywhere=True)
-    from shardfit.measure.compare import compare
 
     estimate = estimate_dict(plan, "cuda" if ctx.device.type == "cuda" else "cpu")
     out = {"label": config.get("label") or plan.strategy.label, "plan": config["plan"], "budget_bytes": budget,
@@ -97,8 +90,6 @@ def run_one(config: dict, ctx, previous: list) -> dict:
            "report": gathered.to_dict(), "estimate": estimate,
            "comparison": compare(gathered.phases, estimate["phases"]) if estimate else None}
     if error == "oom":
-        from shardfit.measure.oom import worst_rank_diagnosis
-
         diagnosis = worst_rank_diagnosis(gathered.ranks, plan)
         out["diagnosis"] = diagnosis.to_dict() if diagnosis else None
     return out
@@ -131,7 +122,6 @@ def _timed_steps(engine, plan, ctx, vocab: int, first: int, count: int) -> list[
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     configs_path, out_path = argv[0], argv[1]
-    from shardfit.engines.base import init_distributed
 
     ctx = init_distributed()
     torch.set_num_threads(1)

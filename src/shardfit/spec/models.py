@@ -18,6 +18,7 @@ from pathlib import Path
 from shardfit.errors import ShardfitError
 from shardfit.spec import spec_cache
 from shardfit.spec.derive import derive_spec
+from shardfit.spec.factory import spec_from_factory  # torch only when a factory is called
 from shardfit.spec.model_spec import ModelSpec
 
 PRESETS_DIR = Path(__file__).resolve().parent / "presets"
@@ -308,8 +309,6 @@ def load_model_spec(ref: str) -> ModelSpec:
         raise ShardfitError("the model reference is empty: give a preset name (see `shardfit models`), a config.json path or pkg.module:fn")
     ref = ref.strip()
     if is_factory_ref(ref):
-        from shardfit.modeling import spec_from_factory  # torch only for this path
-
         return spec_from_factory(ref)
     cfg = load_hf_config(ref)
     path = resolve_config_path(ref)

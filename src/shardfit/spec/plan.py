@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from shardfit.errors import ShardfitError
 from shardfit.spec.fields import build_section
+from shardfit.spec.gpus import get_gpu
 from shardfit.spec.model_spec import ModelSpec
 
 # single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
@@ -294,8 +295,6 @@ def plan_from_dict(data: dict, resolve_model=None) -> Plan:
 
 def validate_plan(plan: Plan) -> list[str]:
     """Raise ShardfitError on an invalid combination; return warnings for dubious ones."""
-    from shardfit.spec.gpus import get_gpu
-
     s, t, c = plan.strategy, plan.training, plan.cluster
     warnings: list[str] = []
 

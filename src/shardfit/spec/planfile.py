@@ -7,11 +7,11 @@ import tempfile
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import Plan, plan_from_dict
 
 
 def _resolver(ref: str):
-    from shardfit.spec.models import load_model_spec
     return load_model_spec(ref)
 
 
@@ -142,11 +142,17 @@ def load_plan(path, resolve_model=None) -> Plan:
 
 
 def plan_to_data(plan: Plan) -> dict:
-    data = plan.to_dict()
-    lora = data["training"].get("lora")
-    if lora is not None:
-        lora["target_modules"] = list(lora["target_modules"])
-    return data
+    """The plan as plain YAML/JSON data: tuples (LoRA targets, a derived spec's block kinds and
+    tensor shapes) become lists, which yaml.safe_dump can write."""
+    return _plain(plan.to_dict())
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def dump_plan(plan: Plan, path) -> Path:

@@ -4,6 +4,8 @@ tests and benchmarks train and measure, and what `shardfit models --tiny TYPE` w
 wants to try a real run of an architecture on a laptop. transformers is imported inside the function."""
 from __future__ import annotations
 
+from shardfit.errors import ShardfitError
+
 # Size knobs across model families (hidden width, layers, heads, MLP, vocabulary, experts, Mamba, MLA).
 SMALL = {
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "n_embed": 64, "embed_dim": 64,
@@ -54,7 +56,6 @@ def tiny_config(model_type: str) -> dict:
     from transformers import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        from shardfit.errors import ShardfitError
         raise ShardfitError(f"model_type '{model_type}' is not known to the installed transformers: "
                             f"see transformers' CONFIG_MAPPING for the names (e.g. qwen3, deepseek_v3, olmo2)")
     data = shrink(CONFIG_MAPPING[model_type]().to_dict())

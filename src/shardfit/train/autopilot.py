@@ -34,6 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.estimate.estimator import estimate
+from shardfit.measure.api import profile
+from shardfit.spec.plan import validate_plan
+from shardfit.spec.planfile import dump_plan
 from shardfit.spec.sizes import parse_size
 
 EXIT_RETRY = 75  # EX_TEMPFAIL: "try again"
@@ -53,10 +57,6 @@ class Decision:
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
-
-
-def _is_off(ac: str) -> bool:
-    return str(ac).strip().lower() in ("none", "off", "false", "0")
 
 
 def candidates(plan) -> list[tuple[str, dict]]:
@@ -93,16 +93,12 @@ def _label(plan, changes: dict) -> str:
 
 
 def _peak(plan, device: str) -> int:
-    from shardfit.estimate.estimator import estimate
-
     est = estimate(plan, device=device)
     return int(est.device_peak_bytes if device == "cuda" else est.peak_bytes)
 
 
 def choose(plan, budget_bytes: int | None, device: str = "cpu", reasons: str = "") -> tuple[Decision, object]:
     """The next change and the plan it gives. Raises ShardfitError when nothing is left to try."""
-    from shardfit.spec.plan import validate_plan
-
     try:
         before = _peak(plan, device)
     except ShardfitError:
@@ -165,8 +161,6 @@ def apply_recorded(plan, out_dir) -> tuple[object, list[dict]]:
 
 def record(out_dir, index: int, decision: Decision, plan, step: int | None, rank: int, error: str) -> bool:
     """Write decision `index` unless another rank already did (the first writer wins); True if written."""
-    from shardfit.spec.planfile import dump_plan
-
     folder = Path(out_dir) / FOLDER
     folder.mkdir(parents=True, exist_ok=True)
     data = {"index": index, "step": step, "rank": rank, "error": error[:300], "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -199,9 +193,7 @@ def memory_budget(plan):
     budget = budget_bytes()
     if budget is None:
         return nullcontext()
-    import shardfit
-
-    return shardfit.profile(plan=plan, budget_bytes=budget, explain_oom=False, label="autopilot")
+    return profile(plan=plan, budget_bytes=budget, explain_oom=False, label="autopilot")
 
 
 def device_budget(ctx_device) -> tuple[int | None, str]:

@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from shardfit.data import Position
 from shardfit.errors import ShardfitError
+from shardfit.spec.planfile import plan_to_data
 from shardfit.train import manifest as integrity
-from shardfit.train.manifest import MANIFEST
+from shardfit.train.manifest import MANIFEST, step_folders
 
 
 def rng_state() -> dict:
@@ -65,21 +66,10 @@ def write_manifest(folder: Path, data: dict, known: dict | None = None) -> dict:
 
 
 def plan_yaml(plan) -> str:
+    """The plan as the checkpoint's plan.yaml: the same data `fit -o` and `dump_plan` write."""
     import yaml
 
-    try:
-        from shardfit.spec.planfile import dump_plan
-        return dump_plan(plan)
-    except (ImportError, TypeError):
-        return yaml.safe_dump(_plain(plan.to_dict()), sort_keys=False)
-
-
-def _plain(value):
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
+    return yaml.safe_dump(plan_to_data(plan), sort_keys=False)
 
 
 def write_trainer_files(engine, tmp: Path, step: int, position: Position) -> None:
@@ -123,9 +113,7 @@ def manifest_fields(engine, step: int, position: Position) -> dict:
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints (with a manifest), oldest first."""
-    root = Path(root)
-    found = [p for p in root.glob("step-*") if (p / MANIFEST).is_file() and p.name[5:].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[5:]))
+    return [folder for folder in step_folders(root) if (folder / MANIFEST).is_file()]
 
 
 def prune(root: Path, keep: int) -> list[Path]:
@@ -177,7 +165,7 @@ def read_manifest(path: Path, verify: bool = True) -> dict:
     """The manifest, after checking every file against its size and checksum (one line naming the
     first bad file otherwise; verify=False leaves that to the caller). Collective under a process
     group: call it on every rank."""
-    manifest = integrity.read_manifest(path)
+    manifest = integrity.read_manifest_file(path)
     if verify and "files" in manifest:  # NOTE: manifests written before checksums existed are read as they are
         integrity.verify(path, manifest)
     for key in ("step", "format", "engine"):

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import plan_from_dict
 
 
 def _load_universal(folder: Path, name: str, kind: str):
@@ -35,8 +37,6 @@ def deepspeed_to_dcp(checkpoint: Path, out: Path) -> Path:
 
     from shardfit.engines.base import build_optimizer, build_scheduler
     from shardfit.engines.deepspeed import TAG
-    from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import plan_from_dict
     from shardfit.train.checkpoint import read_manifest, write_manifest
     from shardfit.train.loop import build_model
 

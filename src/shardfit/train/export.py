@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Iterable
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import plan_from_dict
 
 MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -180,9 +182,6 @@ def export_checkpoint(checkpoint: Path, out: Path, max_shard_bytes: int = MAX_SH
         items = deepspeed_model_tensors(checkpoint / "deepspeed")
     if manifest.get("lora"):
         import yaml
-
-        from shardfit.spec.models import load_model_spec
-        from shardfit.spec.plan import plan_from_dict
 
         plan = plan_from_dict(yaml.safe_load((checkpoint / "plan.yaml").read_text()), resolve_model=load_model_spec)
         items = merge_lora(items, plan.training.lora)

@@ -1,14 +1,16 @@
-"""Relaunch `shardfit train` under torchrun when it is not already inside a distributed launch,
-and turn a Plan file plus command-line flags into the Plan the workers run."""
+"""Turn a Plan file plus `shardfit train`'s flags into the Plan the workers run (the relaunch under
+torchrun is supervise.relaunch, through the one launcher: shardfit/launcher.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.estimate.lora_targets import with_default_targets
 from shardfit.spec.fields import lora_section
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import parse_strategy, plan_from_dict
+from shardfit.spec.planfile import read_plan_data
 
 # Without a plan file: the tiny preset on CPU, fp32, a few steps, so `shardfit train` finishes
 # in well under a minute on a fresh machine.
@@ -25,35 +27,12 @@ def inside_launch() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def torchrun_command(argv: list[str], nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> list[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if nnodes > 1:
-        if not endpoint:
-            raise ShardfitError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint={endpoint}", "--max-restarts=0"]
-    elif endpoint:
-        host, _, port = endpoint.partition(":")
-        command += [f"--master-addr={host}", f"--master-port={port or 29500}"]
-    else:
-        command += ["--standalone"]
-    return command + ["-m", "shardfit", *argv]
-
-
-def relaunch(argv: list[str], nproc: int, nnodes: int, node_rank: int, endpoint: str | None) -> int:
-    from shardfit.runtime_env import launch_env
-
-    env = launch_env()
-    return subprocess.call(torchrun_command(argv, nproc, nnodes, node_rank, endpoint), env=env)
-
-
 def read_plan_dict(path: str | None) -> dict:
     if path is None:
         return {k: dict(v) if isinstance(v, dict) else v for k, v in QUICK_DEFAULTS.items()}
     if not Path(path).is_file():
         raise ShardfitError(f"plan file '{path}' does not exist: write one with `shardfit fit ... -o plan.yaml` "
                             "or omit it")
-    from shardfit.spec.planfile import read_plan_data
 
     return read_plan_data(path)  # the one plan reader: one-line errors, duplicate keys refused
 
@@ -65,9 +44,6 @@ def default_nproc(args) -> int:
 
 def build_plan(args):
     """Plan file (or quick defaults) < command-line flags < the launch's real cluster shape."""
-    from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import plan_from_dict
-
     data = plan_data(args)
     # The cluster is what this launch really is (torchrun's environment), not what the file says.
     nproc = args.nproc or (1 if data["strategy"].get("kind") == "single" else 2)
@@ -80,8 +56,6 @@ def build_plan(args):
 def plan_data(args) -> dict:
     """The plan as a mapping: file (or quick defaults, or the checkpoint's own plan on a resume) with
     the command-line flags applied; the cluster is left to build_plan."""
-    from shardfit.spec.plan import parse_strategy
-
     data = read_plan_dict(args.plan)
     if args.resume and not args.plan:
         # Resuming without a plan file continues the checkpoint's own plan (flags still override it).
@@ -116,7 +90,5 @@ def plan_data(args) -> dict:
     lora = lora_section(data["training"].get("lora"), *(getattr(args, name, None)
                                                          for name in ("lora_r", "lora_targets", "lora_base")), "fp32")
     if lora is not None:
-        from shardfit.estimate.lora_targets import with_default_targets
-
         data["training"]["lora"] = with_default_targets(lora, data["model"])
     return data

@@ -25,12 +25,14 @@ from shardfit.engines.base import DistContext, init_distributed
 from shardfit.engines.dcp_io import close_async_writer
 from shardfit.errors import ShardfitError
 from shardfit.measure.api import active_profiler
-from shardfit.measure.report import fmt_bytes
+from shardfit.modeling import build_model as build
 from shardfit.train import checkpoint as ckpt
 from shardfit.train import faults, preempt, runlock
+from shardfit.train.export import copy_tokenizer_note, export_engine
+from shardfit.train.generate import engine_generate
 from shardfit.train.saver import Saver
 from shardfit.train.watchdog import Watchdog
-from shardfit.train.generate import engine_generate
+from shardfit.units import fmt_bytes
 
 DEFAULT_PROMPT = "In the morning, the baker"
 
@@ -72,8 +74,6 @@ def seed_everything(seed: int) -> None:
 def build_model(plan):
     """On CPU, fp32, seeded: every engine and every rank starts from the same weights. A local model
     folder with weights (e.g. one `shardfit export` wrote) starts from those weights instead."""
-    from shardfit.modeling import build_model as build
-
     source = Path(plan.model.source)
     folder = source.parent if source.name == "config.json" else source
     if folder.is_dir() and any(folder.glob("*.safetensors")):
@@ -212,7 +212,6 @@ def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> lis
     if bar is not None:
         bar.close()
     if options.export:
-        from shardfit.train.export import copy_tokenizer_note, export_engine
         export_engine(engine, Path(options.export))
         if ctx.is_main:
             copy_tokenizer_note(Path(options.export), tokenizer.name)

@@ -83,7 +83,8 @@ def file_table(folder: Path, known: dict | None = None) -> dict:
     return {name: table[name] for name in names if name in table}
 
 
-def read_manifest(folder: Path) -> dict:
+def read_manifest_file(folder: Path) -> dict:
+    """The manifest's JSON as written, unverified (train.checkpoint.read_manifest checks the files)."""
     path = Path(folder) / MANIFEST
     try:
         data = json.loads(path.read_text())
@@ -132,7 +133,7 @@ def problems(folder: Path, manifest: dict | None = None) -> list[str]:
     folder = Path(folder)
     if manifest is None:
         try:
-            manifest = read_manifest(folder)
+            manifest = read_manifest_file(folder)
         except CorruptCheckpoint as exc:
             return [str(exc)]
     key = _identity(folder)
@@ -154,7 +155,7 @@ def intact_here(folder: Path) -> bool:
     """Whether the folder is an intact checkpoint, checked by this process alone (no collective: for
     retention on rank 0). Each folder's contents are hashed at most once per process."""
     try:
-        manifest = read_manifest(folder)
+        manifest = read_manifest_file(folder)
     except CorruptCheckpoint:
         return False
     if listing_problems(folder, manifest):
@@ -195,7 +196,7 @@ def _raise_first(found: list[str], every_rank: bool = True) -> None:
 
 def verify(folder: Path, manifest: dict | None = None) -> dict:
     """Raise CorruptCheckpoint (one line, naming the first bad file) unless the folder is intact."""
-    manifest = manifest if manifest is not None else read_manifest(folder)
+    manifest = manifest if manifest is not None else read_manifest_file(folder)
     _raise_first(problems(folder, manifest))
     return manifest
 

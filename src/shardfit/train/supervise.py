@@ -9,13 +9,17 @@ import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.launcher import torchrun
+from shardfit.measure.oom import collect_run_diagnosis, diagnose, format_diagnosis, untracked_oom, write_rank_diagnosis
+from shardfit.measure.report import RankReport
+from shardfit.runtime_env import launch_env
 from shardfit.train import preempt, runlock
+from shardfit.train.manifest import MANIFEST, step_folders
 
 SUPERVISED_ENV = "SHARDFIT_SUPERVISED"  # set for workers whose supervisor prints the OOM diagnosis once
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
@@ -51,7 +55,6 @@ def check_run(plan, args, inside: bool) -> None:
     for name, value in (("data.path", plan.data.path), ("data.tokenizer", plan.data.tokenizer)):
         if value and not Path(value).exists():
             raise ShardfitError(f"{name} '{value}' does not exist: give a local file or folder")
-    from shardfit.train.manifest import MANIFEST, step_folders
 
     out = Path(args.out)
     if not inside:
@@ -90,32 +93,33 @@ def export_env(args) -> None:
 def relaunch(worker_argv: list[str], args, restarts: int) -> int:
     """torchrun with `restarts`; its own failure report (a traceback of the launcher and a table) is
     replaced by one line, the workers' own lines pass through untouched."""
-    from shardfit.train.launch import torchrun_command
-
-    command = torchrun_command(worker_argv, args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint)
-    command = [c for c in command if not c.startswith("--max-restarts")]
-    command.insert(3, f"--max-restarts={restarts}")
-    from shardfit.runtime_env import launch_env
-
     stops = preempt.signal_names(os.environ.get(preempt.ENV))
     # torchrun passes on the signals it handles to the workers (and gives them 30 s): the stop
     # signals must be among them, or SIGUSR1 would end torchrun itself.
-    command.insert(4, "--signals-to-handle=" + ",".join(dict.fromkeys(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *stops))))
+    options = [f"--max-restarts={restarts}",
+               "--signals-to-handle=" + ",".join(dict.fromkeys(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *stops)))]
+    target = ["-m", "shardfit", *worker_argv]
+    where = dict(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint, options=options)
     env = launch_env()
     if os.environ.get("SHARDFIT_DEBUG"):
-        return subprocess.call(command, env=env)
+        return torchrun(target, args.nproc, timeout=None, env=env, **where).returncode
     env[SUPERVISED_ENV] = "1"
     started = time.time() - 1  # file times have a coarse grain on some file systems
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace")
-    # A signal to `shardfit train` itself goes on to torchrun, and from it to the workers.
-    before = {name: signal.signal(getattr(signal, name), lambda signum, frame: process.send_signal(signum))
-              for name in stops}
-    try:
-        failures = filter_launcher(process.stderr, sys.stderr)
-        code = process.wait()
-    finally:
-        for name, handler in before.items():
-            signal.signal(getattr(signal, name), handler)
+    failures: list = []
+
+    def watch(process) -> None:
+        # A signal to `shardfit train` itself goes on to torchrun, and from it to the workers.
+        before = {name: signal.signal(getattr(signal, name), lambda signum, frame: process.send_signal(signum))
+                  for name in stops}
+        try:
+            failures.extend(filter_launcher(process.stderr, sys.stderr))
+            process.wait()
+        finally:
+            for name, handler in before.items():
+                signal.signal(getattr(signal, name), handler)
+
+    # A training run takes as long as it takes: no timeout (the watchdog stops a hang from inside).
+    code = torchrun(target, args.nproc, timeout=None, env=env, watch=watch, **where).returncode
     marker = preempt.read_marker(Path(args.out)) if getattr(args, "out", None) else None
     if code != 0 and marker and marker.get("unix_time", 0) >= started:
         print(f"shardfit: training preempted ({marker.get('signal')}) after step {marker.get('step')}: checkpoint "
@@ -175,8 +179,6 @@ def filter_launcher(lines, sink) -> list[tuple[int, int]]:
 
 
 def _run_oom(out, since: float):
-    from shardfit.measure.oom import collect_run_diagnosis
-
     try:
         return collect_run_diagnosis(out, since)
     except OSError:
@@ -188,9 +190,6 @@ def explain_oom(exc, profiler, plan, out, rank: int) -> int:
     (phase, what grew by category, the smallest changes that fit, as flags and plan fields), written
     to OUT/oom/rank-N.json. Under `shardfit train` the supervisor prints the worst rank's once;
     a worker started by torchrun directly prints its own."""
-    from shardfit.measure.oom import diagnose, format_diagnosis, untracked_oom, write_rank_diagnosis
-    from shardfit.measure.report import RankReport
-
     if profiler is not None and getattr(profiler, "oom", None):
         report = profiler.report()
     else:

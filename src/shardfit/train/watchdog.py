@@ -20,17 +20,10 @@ import threading
 import time
 from contextlib import contextmanager
 
-ENV = "SHARDFIT_COLLECTIVE_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600.0
+from shardfit.runtime_env import configured_timeout
+
 EXIT_HANG = 124  # like timeout(1)
 _KEY = "shardfit/progress/rank-{}"
-
-
-def configured_timeout() -> float | None:
-    """Seconds from SHARDFIT_COLLECTIVE_TIMEOUT (set by `train --collective-timeout`); 0 disables."""
-    text = os.environ.get(ENV)
-    value = float(text) if text else DEFAULT_TIMEOUT_S
-    return value if value > 0 else None
 
 
 def _store():
@@ -140,35 +133,3 @@ class Watchdog:
         print(line, file=sys.stderr, flush=True)
         if self.exit_process:
             os._exit(EXIT_HANG)
-
-
-def process_group_kwargs() -> dict:
-    """Extra init_process_group arguments: the collective timeout, and under torchrun's agent a store
-    prefix per restart attempt. NOTE: the agent's store outlives the workers; without a prefix a
-    restarted gloo group reads the dead ranks' addresses from the last attempt and fails (or hangs)
-    connecting to them, which turns every torchrun restart into a coin toss."""
-    kwargs = {}
-    timeout = init_timeout()
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
-        import datetime
-
-        import torch.distributed as dist
-
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout or datetime.timedelta(minutes=30))
-        kwargs.update(store=dist.PrefixStore(f"shardfit/attempt-{attempt}", store), rank=int(os.environ["RANK"]),
-                      world_size=int(os.environ["WORLD_SIZE"]))
-    return kwargs
-
-
-def init_timeout():
-    """The timedelta for init_process_group(timeout=...), or None for torch's default. A backstop
-    behind the watchdog, never shorter than torch's own 30 minutes: a barrier in a long checkpoint
-    save must not time out where the watchdog would have allowed it."""
-    import datetime
-
-    timeout = configured_timeout()
-    return datetime.timedelta(seconds=max(6 * timeout, 1800.0)) if timeout else None

@@ -10,9 +10,14 @@ torch and transformers are imported inside the functions: importing this module 
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 from shardfit.errors import ShardfitError
+from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
+from shardfit.modeling import block_classes, build_model, torch_dtype
+from shardfit.spec.model_spec import ModelSpec
+from shardfit.spec.models import model_spec_for
+from shardfit.spec.plan import parse_activation_checkpointing, Plan
 
 # MemTracker's categories (torch.distributed._tools.mem_tracker._MemRefType values) -> ours.
 _CATEGORIES = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Activation": "activations",
@@ -42,47 +47,6 @@ class _NoHook:
 _NO_HOOK = _NoHook()
 
 
-def _storage_key(tensor):
-    # NOTE: the StorageImpl pointer identifies a storage for real, fake and meta tensors alike
-    # (data_ptr() is 0 for fake/meta tensors, so it cannot).
-    return tensor.untyped_storage()._cdata
-
-
-@contextmanager
-def _masks_as_in_eager():
-    """NOTE: transformers treats a FakeTensor as "tracing" and then always materialises the causal
-    mask (b x 1 x s x s), which also turns off SDPA's native GQA: the trace would save a mask and
-    repeated k/v that a real step never allocates. Our traced inputs are single unpadded sequences,
-    so the eager decisions need no data: no packed sequences, and with no sliding window shorter
-    than the sequence SDPA's is_causal replaces the mask."""
-    try:
-        import inspect
-
-        import transformers.masking_utils as masking
-        original = masking._ignore_causal_mask_sdpa
-        original_packed = masking.find_packed_sequence_indices
-        signature = inspect.signature(original)
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    def ignore(*args, **kwargs):
-        a = signature.bind(*args, **kwargs).arguments
-        window = a.get("local_attention_size")
-        if (a.get("padding_mask") is None and (window is None or a["kv_length"] < window)
-                and (a["q_length"] == 1 or a["kv_length"] == a["q_length"])):
-            return True
-        return original(*args, **kwargs)
-
-    masking._ignore_causal_mask_sdpa = ignore
-    masking.find_packed_sequence_indices = lambda position_ids: None
-    try:
-        yield
-    finally:
-        masking._ignore_causal_mask_sdpa = original
-        masking.find_packed_sequence_indices = original_packed
-
-
 def run_tracked_step(model, input_ids, optimizer=None, autocast_dtype=None) -> dict:
     """Forward (with labels = inputs), backward and optimizer step of `model` under MemTracker.
     Works on real tensors and under FakeTensorMode alike; used by trace_step and by the tests as
@@ -91,12 +55,12 @@ def run_tracked_step(model, input_ids, optimizer=None, autocast_dtype=None) -> d
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
     # parameters and buffers are held anyway: what autograd saves of them is not activation memory
-    param_storages = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    param_storages = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
     saved: dict = {}
     keep = []  # saved tensors stay referenced until counted: a storage key is never reused meanwhile
 
     def pack(tensor):
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key not in param_storages and key not in saved:
             saved[key] = tensor.untyped_storage().nbytes()
             keep.append(tensor)
@@ -137,10 +101,6 @@ def run_tracked_step(model, input_ids, optimizer=None, autocast_dtype=None) -> d
 
 def _resolve(model_or_plan, micro_batch, seq_len, activation_checkpointing, precision, attention):
     """A Plan supplies the model and any training knob not given explicitly."""
-    from shardfit.spec.model_spec import ModelSpec
-    from shardfit.spec.models import model_spec_for
-    from shardfit.spec.plan import Plan
-
     if isinstance(model_or_plan, Plan):
         t = model_or_plan.training
         spec = model_or_plan.model
@@ -177,9 +137,6 @@ def trace_step(model_or_plan, micro_batch: int | None = None, seq_len: int | Non
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardfit.modeling import block_classes, build_model, torch_dtype
-    from shardfit.spec.plan import parse_activation_checkpointing
-
     spec, micro_batch, seq_len, ac, precision, attention = _resolve(
         model_or_plan, micro_batch, seq_len, activation_checkpointing, precision, attention)
     if precision not in _PRECISIONS:
@@ -208,33 +165,14 @@ def trace_step(model_or_plan, micro_batch: int | None = None, seq_len: int | Non
     if not vocab:
         raise ShardfitError(f"{spec.name}: tracing needs a model that takes input_ids and labels (a vocabulary)")
     with FakeTensorMode(allow_non_fake_inputs=True):
-        _materialize(model)
+        materialize(model)
         input_ids = torch.randint(0, vocab, (micro_batch, seq_len))
         trained = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(trained, foreach=False) if optimizer else None
-        with _masks_as_in_eager():
+        with masks_as_in_eager():
             phases = run_tracked_step(model, input_ids, opt,
                                       autocast_dtype=torch_dtype(_PRECISIONS[precision]) if autocast and precision != "fp32" else None)
     return summarize(phases, spec.name, micro_batch, seq_len, ac, precision, autocast)
-
-
-def _materialize(model) -> None:
-    """Meta -> (fake) CPU tensors, keeping shared parameters shared. NOTE: Module.to_empty()
-    gives each use of a tied weight its own tensor, which would count the LM head twice."""
-    import torch
-
-    memo: dict = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in list(table.items()):
-                if tensor is None:
-                    continue
-                if id(tensor) not in memo:
-                    fresh = torch.empty_like(tensor, device="cpu")
-                    if isinstance(tensor, torch.nn.Parameter):
-                        fresh = torch.nn.Parameter(fresh, requires_grad=tensor.requires_grad)
-                    memo[id(tensor)] = fresh
-                table[name] = memo[id(tensor)]
 
 
 def summarize(phases: dict, name: str, micro_batch: int, seq_len: int, ac: str, precision: str, autocast: bool) -> dict:

@@ -9,17 +9,17 @@ with a CPU device profile, `fit --cpu --device-profile`): a CPU step says nothin
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from shardfit.errors import ShardfitError
-from shardfit.measure.oom import Diagnosis, format_diagnosis
+from shardfit.estimate.estimator import estimate
 from shardfit.fit.steptime import step_time
-from shardfit.measure.report import fmt_bytes
+from shardfit.measure.oom import Diagnosis, format_diagnosis
+from shardfit.measure.run import run_plan_worker
+from shardfit.spec.planfile import plan_to_data
+from shardfit.units import fmt_bytes
 
 CPU_RANKS = 2
 RAM_SHARE = 0.5  # the verification run may use at most half of this machine's RAM
@@ -92,10 +92,6 @@ def _local_devices() -> tuple[str, int]:
 
 
 def verify(result, steps: int = PROFILED_STEPS, timeout: float = 900, timed_steps: int = TIMED_STEPS) -> Verification:
-    from shardfit.commands.profile import _launch
-    from shardfit.estimate.estimator import estimate
-    from shardfit.spec.planfile import plan_to_data
-
     if result.best is None:
         raise ShardfitError("--verify needs a plan that fits: nothing fits here")
     plan = result.best.plan
@@ -111,14 +107,7 @@ def verify(result, steps: int = PROFILED_STEPS, timeout: float = 900, timed_step
     data = plan_to_data(local)
     config = {"plan": data, "steps": steps, "checkpoint": False, "budget_bytes": None, "label": local.strategy.label,
               "timed_steps": timed_steps}
-    with tempfile.TemporaryDirectory() as tmp:
-        configs, out = Path(tmp) / "configs.json", Path(tmp) / "out.jsonl"
-        configs.write_text(json.dumps([config]))
-        done = _launch(["-m", "shardfit.measure.worker", str(configs), str(out)], ranks, timeout)
-        if not out.exists():
-            tail = (done.stderr or "").strip().splitlines()[-3:]
-            raise ShardfitError("--verify: the run failed before reporting: " + " | ".join(tail))
-        measured = json.loads(out.read_text().splitlines()[0])
+    measured = run_plan_worker(config, ranks, timeout, what="--verify: the run", tail=3)
     if measured.get("error") == "oom" and measured.get("diagnosis"):
         print(format_diagnosis(Diagnosis.from_dict(measured["diagnosis"])), file=sys.stderr)
     if measured.get("error"):
