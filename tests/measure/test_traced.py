@@ -1,13 +1,14 @@
 """The traced step (fake tensors, no memory) allocates what a real CPU step allocates."""
 import pytest
-import torch
 
-from shardfit.engines.base import apply_activation_checkpointing, apply_lora
-from shardfit.errors import ShardfitError
-from shardfit.measure.traced import run_tracked_step, trace_step
-from shardfit.modeling import block_classes, build_model
-from shardfit.spec.models import model_spec_for
-from shardfit.spec.plan import parse_activation_checkpointing, plan_from_dict
+torch = pytest.importorskip("torch")
+
+from shardfit.engines.base import apply_activation_checkpointing, apply_lora  # noqa: E402
+from shardfit.errors import ShardfitError  # noqa: E402
+from shardfit.measure.traced import run_tracked_step, trace_step  # noqa: E402
+from shardfit.modeling import block_classes, build_model  # noqa: E402
+from shardfit.spec.models import model_spec_for  # noqa: E402
+from shardfit.spec.plan import parse_activation_checkpointing, plan_from_dict  # noqa: E402
 
 B, S = 2, 64
 
