@@ -147,9 +147,9 @@ def how_to_apply(changes: dict, changed_plan) -> tuple[str, str]:
 
 def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -> tuple[list[Fix], list[str]]:
     def peak(p):
-        # On a CPU (a rehearsal under a budget) only tensor bytes exist: no CUDA context or NCCL.
-        est = estimate(p, device="cuda" if on_device else "cpu")
-        return est.device_peak_bytes if on_device else est.peak_bytes
+        # On a CPU (a rehearsal under a budget) only tensor bytes exist: device="cpu" estimates no
+        # CUDA context or NCCL, so its device peak is the tensor peak.
+        return estimate(p, device="cuda" if on_device else "cpu").device_peak_bytes
 
     base = peak(plan)
     fixes, notes = [], []

@@ -93,8 +93,8 @@ def _label(plan, changes: dict) -> str:
 
 
 def _peak(plan, device: str) -> int:
-    est = estimate(plan, device=device)
-    return int(est.device_peak_bytes if device == "cuda" else est.peak_bytes)
+    # device="cpu" estimates no CUDA context or NCCL, so the device peak is then the tensor peak.
+    return int(estimate(plan, device=device).device_peak_bytes)
 
 
 def choose(plan, budget_bytes: int | None, device: str = "cpu", reasons: str = "") -> tuple[Decision, object]:
