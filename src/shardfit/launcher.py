@@ -126,7 +126,15 @@ def _wait(process: subprocess.Popen, timeout: float | None, watch) -> tuple[str 
     except BaseException:  # Ctrl-C, or a failing watch: the job must not outlive us
         if timeout is not None:
             os.killpg(process.pid, signal.SIGKILL)
-        else:
-            process.kill()
-        process.wait()
+            process.wait()
+            raise
+        # In our group (train): torchrun got the terminal's Ctrl-C too. SIGTERM, which it passes on
+        # to its ranks, then the grace period; a SIGKILL alone would orphan the ranks.
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=TERM_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         raise

@@ -4,7 +4,7 @@ The consolidation itself is replaced by a stub here: test_train_cli.py runs it f
 import pytest
 import yaml
 
-import shardfit.train.export as train_export
+import shardfit.commands.export as export_command
 from shardfit.cli import main
 
 
@@ -20,7 +20,7 @@ def checkpoint(tmp_path, monkeypatch):
         (out / "model.safetensors").write_bytes(b"\0" * 16)
         return [out / "model.safetensors"]
 
-    monkeypatch.setattr(train_export, "export_checkpoint", fake_export)
+    monkeypatch.setattr(export_command, "export_checkpoint", fake_export)  # the name the command calls
     return step
 
 

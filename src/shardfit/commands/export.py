@@ -3,6 +3,8 @@ Hugging Face model folder (config.json + safetensors) that from_pretrained loads
 no GPU, tensor by tensor."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardfit.errors import ShardfitError
 from shardfit.spec.planfile import read_plan_data
 from shardfit.spec.sizes import gib_type
@@ -18,9 +20,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from shardfit.train.checkpoint import resolve_resume
+    from shardfit.train.checkpoint import resolve_resume  # torch: only when exporting
 
     if args.max_shard_gb <= 0:
         raise ShardfitError("--max-shard-gb must be positive")
