@@ -9,6 +9,7 @@ from pathlib import Path
 
 from shardfit.errors import ShardfitError
 from shardfit.spec.fields import lora_section
+from shardfit.spec.kernels import kernel_fields
 
 # Without a plan file: the tiny preset on CPU, fp32, a few steps, so `shardfit train` finishes
 # in well under a minute on a fresh machine.
@@ -112,6 +113,8 @@ def plan_data(args) -> dict:
         value = getattr(args, flag, None)
         if value is not None:
             data[section][key] = value
+    # --loss / --optimizer-impl (commands/kernel_flags.py)
+    data["training"].update(kernel_fields(getattr(args, "loss", None), getattr(args, "optimizer_impl", None)))
     # The LoRA flags (commands/lora_flags.py): any of them turns LoRA on; rank 16 when not given.
     lora = lora_section(data["training"].get("lora"), *(getattr(args, name, None)
                                                          for name in ("lora_r", "lora_targets", "lora_base")), "fp32")
