@@ -19,6 +19,7 @@ from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
 from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import GPU, get_gpu
+from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import LoRA, Plan, validate_plan
 
@@ -46,7 +47,7 @@ class FitRequest:
     base: Plan | None = None  # carries schedule / data into the result
     device_profile: GPU | None = None  # calibrated rates (--device-profile); memory and plans still name `gpu`
     loss: str | None = None  # standard | chunked (--loss); None = fit tries chunked where it makes a plan fit
-    loss_chunks: int = 8
+    loss_chunks: int = DEFAULT_LOSS_CHUNKS
     optimizer_impl: str | None = None  # auto | foreach | single | fused; None = fit chooses (fit/kernels.py)
 
     @property

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from shardfit.errors import ShardfitError
 from shardfit.spec.fields import build_section
-from shardfit.spec.kernels import check_kernels
+from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS, check_kernels
 from shardfit.spec.model_spec import ModelSpec
 
 # single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
@@ -163,7 +163,7 @@ class Training:
     lora: LoRA | None = None
     # spec/kernels.py: standard | chunked head+loss (loss_chunks row chunks); AdamW auto|foreach|single|fused
     loss: str = "standard"
-    loss_chunks: int = 8
+    loss_chunks: int = DEFAULT_LOSS_CHUNKS
     optimizer_impl: str = "auto"
 
 
