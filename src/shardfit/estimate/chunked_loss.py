@@ -21,9 +21,9 @@ from __future__ import annotations
 
 
 def chunked_loss_bytes(model, regime: str, kind: str, micro_batch: int, seq: int, chunks: int,
-                       head_trains: bool, a_head: int) -> tuple[int, int, int, int, int]:
+                       head_trains: bool, a_head: int, term=None) -> tuple[int, int, int, int, int]:
     """(head activations, loss forward temporaries, loss inputs, loss backward temporaries, loss
-    backward gradients) per rank, replacing the standard loss's figures."""
+    backward gradients) per rank, replacing the standard loss's figures; `term` records them (explain)."""
     tokens = micro_batch * seq
     vocab, hidden = model.vocab_size, model.hidden_size
     d = 4 if regime == "fp32" else 2
@@ -41,7 +41,10 @@ def chunked_loss_bytes(model, regime: str, kind: str, micro_batch: int, seq: int
     temporary = regime == "autocast" or kind.startswith("zero")
     backward = chunk + 4 * rows + tokens * hidden * d + 24 * tokens + (grad_weight if temporary else 0)
     grads = grad_weight if as_grad else 0
-    return int(saved), int(forward), int(inputs), int(backward), int(grads)
+    out = int(saved), int(forward), int(inputs), int(backward), int(grads)
+    if term is not None:
+        record_terms(term, model, micro_batch, seq, chunks, *out)
+    return out
 
 
 def record_terms(term, model, micro_batch: int, seq: int, chunks: int, a_head: int, forward: int, inputs: int,

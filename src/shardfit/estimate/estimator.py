@@ -151,7 +151,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
                                                if not label.startswith("embedding.")))
         if t.loss == "chunked":  # the head + loss per row chunk (estimate/chunked_loss.py)
             a_head, loss_fwd, loss_inputs, loss_bwd, loss_grads = closs.chunked_loss_bytes(
-                model, regime, kind, t.micro_batch, seq, t.loss_chunks, lora is None, a_head)
+                model, regime, kind, t.micro_batch, seq, t.loss_chunks, lora is None, a_head, term if explain else None)
         # A checkpointed block saves nothing in forward but still builds its working set there: the
         # residual stream, the normed input and the widest intermediates (SwiGLU: gate, up, act) --
         # the same tensors whose gradients make up its backward working set -- and, where attention
@@ -189,10 +189,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
               "selective_kept_per_token": kept[0]},
              "full recompute keeps only the block input (Korthikanti et al. sec. 5); per-op selective "
              "checkpointing also keeps every other matmul output and the attention output (shardfit/sac.py)")
-        if t.loss == "chunked":
-            closs.record_terms(term, model, t.micro_batch, seq, t.loss_chunks, a_head, loss_fwd, loss_inputs,
-                               loss_bwd, loss_grads)
-        else:
+        if t.loss == "standard":  # the chunked loss's terms: estimate/chunked_loss.py
             term("activations.head", a_head, "b*s*(final norm + log_softmax fp32 + labels) + rotary",
                  {"per_token": prof.head,
                   "tensors": {label: per for label, per, _ in prof.head_items}},
@@ -233,7 +230,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         params, grads_full, opt, temps = deepspeed_estimator_states(plan, largest, host, term, notes)
         grads_persist = grads_full
         buf = Buffers(temps)
-        a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = recompute = 0
+        a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = recompute = loss_grads = 0
         traced_inside = []
         wcopy = wcopy_fwd = 0
         a_pre_head = fwd_work = 0
