@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from shardfit.errors import ShardfitError
 from shardfit import sac
+from shardfit.engines.chunked_loss import install as install_chunked_loss
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
 
@@ -112,9 +113,7 @@ def prepare_model(plan: Plan, model):
     if t.precision == "bf16-pure":
         model = model.to(torch.bfloat16)
     if t.loss == "chunked":
-        from shardfit.engines.chunked_loss import install
-
-        install(model, t.loss_chunks)
+        install_chunked_loss(model, t.loss_chunks)
     return model, blocks_cls
 
 

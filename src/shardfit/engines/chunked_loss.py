@@ -35,6 +35,11 @@ def _logits(hidden, weight, bias):
     return torch.mm(hidden, weight.t()) if bias is None else torch.addmm(bias, hidden, weight.t())
 
 
+def _wide(dtype):
+    """The softmax's dtype: fp32 for 16-bit logits, the logits' own otherwise (fp32, fp64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _rows(total: int, chunks: int):
     step = -(-total // max(chunks, 1))
     return [slice(start, start + step) for start in range(0, total, step)]
@@ -45,11 +50,12 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunks):
-        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        wide = _wide(hidden.dtype)
+        lse = torch.empty(hidden.shape[0], dtype=wide, device=hidden.device)
+        total = torch.zeros((), dtype=wide, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for part in _rows(hidden.shape[0], chunks):
-                logits = _logits(hidden[part], weight, bias).float()  # the 16-bit logits go at once
+                logits = _logits(hidden[part], weight, bias).to(wide)  # the 16-bit logits go at once
                 target = labels[part]
                 picked = logits.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
                 top = logits.amax(1)
@@ -64,17 +70,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, bias, labels, lse, count = ctx.saved_tensors
-        scale = grad.float() / count
+        wide = _wide(hidden.dtype)
+        scale = grad.to(wide) / count
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias) if bias is not None and ctx.needs_input_grad[2] else None
         with torch.autocast(hidden.device.type, enabled=False):
             for part in _rows(hidden.shape[0], ctx.chunks):
                 rows = hidden[part]
-                probs = _logits(rows, weight, bias).float()  # recomputed: the head's matmul a second time
+                probs = _logits(rows, weight, bias).to(wide)  # recomputed: the head's matmul a second time
                 probs.sub_(lse[part].unsqueeze(1)).exp_()  # softmax
                 target = labels[part]
-                keep = (target != IGNORE_INDEX).float()
+                keep = (target != IGNORE_INDEX).to(wide)
                 probs.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -keep.unsqueeze(1))  # minus one-hot
                 probs.mul_((keep * scale).unsqueeze(1))
                 grad_logits = probs.to(rows.dtype)
@@ -141,9 +148,7 @@ def model_loss(model, batch: dict, head=None):
 def install(model, chunks: int) -> None:
     """Make the model's output head compute the chunked loss when `model_loss` gives it labels; one
     clear line for a model whose head or loss it does not reproduce."""
-    from shardfit.engines.base import unwrap
-
-    inner = unwrap(model)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft's wrapper
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     config = getattr(inner, "config", None)
     if not isinstance(head, torch.nn.Linear):
