@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from shardfit.commands.kernel_flags import add_kernel_arguments, kernel_changes
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
 from shardfit.errors import ShardfitError
 from shardfit.fit import fit, FitRequest
@@ -32,6 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
                         help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling)")
     parser.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit, sgd, lion, adafactor")
+    add_kernel_arguments(parser, fit=True)
     parser.add_argument("--engine", default="single,ddp,deepspeed,fsdp",
                         help="comma list of engines to search: single (one GPU only), ddp, deepspeed, fsdp (default all)")
     parser.add_argument("--cpu", action="store_true",
@@ -75,7 +77,8 @@ def request_from_args(args):
         profiled = profile.as_gpu(memory_gib=get_gpu(args.gpu).memory_gib if args.gpu else None)
         if args.gpu is None:
             gpu_name = f"custom:{profiled.memory_gib:g}"
-    return FitRequest(model=model, gpu=gpu_name, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
+    kernels = kernel_changes(args)
+    return FitRequest(**kernels, model=model, gpu=gpu_name, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                       global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
                       optimizer=args.optimizer, engines=engines, device="cpu" if args.cpu else "cuda",
                       host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)

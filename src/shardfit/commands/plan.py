@@ -6,6 +6,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from shardfit.commands.kernel_flags import add_kernel_arguments, kernel_changes
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
 from shardfit.errors import ShardfitError
 from shardfit.estimate import report
@@ -48,8 +49,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid shard group size (default GPUs per node)")
     parser.add_argument("--accounting", default="real", help="real (default) | ideal (ZeRO paper) | deepspeed (its estimator)")
     parser.add_argument("--device", default="cuda", help="cuda (default) | cpu (no CUDA context/NCCL/margin; CPU optimizer)")
-    parser.add_argument("--optimizer-impl", default="auto",
-                        help="auto (CUDA: foreach for torch, fused for DeepSpeed; cpu: single-tensor) | foreach | single | fused")
+    add_kernel_arguments(parser)
     parser.add_argument("--checkpoint", default="sharded", help="checkpoint save: sharded (default) | full (rank-0 consolidation)")
     parser.add_argument("--device-profile", dest="device_profile",
                         help="also print each strategy's step time under the rates `shardfit calibrate` measured")
@@ -100,7 +100,7 @@ def build_plan(args):
                                  ("attention", args.attention)) if v is not None}
     if args.precision is not None:
         changes["precision"] = args.precision.strip().lower()
-    t = replace(t, **changes)
+    t = replace(t, **changes, **kernel_changes(args))
     t = replace(t, lora=lora_from_args(args, plan.model, t.lora))
     if args.gpu is not None:
         c = replace(c, gpu=args.gpu)
@@ -167,8 +167,7 @@ def strategies_for(args, plan):
 
 def run(args) -> int:
     for value, choices, flag in ((args.accounting, ACCOUNTING, "--accounting"), (args.device, DEVICES, "--device"),
-                                 (args.checkpoint, CHECKPOINT_MODES, "--checkpoint"),
-                                 (args.optimizer_impl, OPTIMIZER_IMPLS, "--optimizer-impl")):
+                                 (args.checkpoint, CHECKPOINT_MODES, "--checkpoint")):
         if value not in choices:
             raise ShardfitError(f"{flag} '{value}' is not known: use one of {', '.join(choices)}")
     if args.offload and args.offload.strip().lower() == "nvme" and not args.nvme_path:
@@ -184,7 +183,7 @@ def run(args) -> int:
         try:
             warnings = validate_plan(candidate)
             est = estimate(candidate, accounting=args.accounting, device=args.device, checkpoint=args.checkpoint,
-                           optimizer_impl=args.optimizer_impl, explain=True)
+                           explain=True)
         except ShardfitError as exc:
             if explicit:
                 raise

@@ -11,6 +11,7 @@ import math
 import sys
 from pathlib import Path
 
+from shardfit.commands.kernel_flags import add_kernel_arguments, kernel_changes
 from shardfit.commands.lora_flags import add_lora_arguments
 from shardfit.errors import ShardfitError
 from shardfit.estimate.lora_targets import with_default_targets
@@ -39,6 +40,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--seq", type=int, help="sequence length")
     group.add_argument("--grad-accum", type=int, dest="grad_accum")
     group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
+    add_kernel_arguments(group)
     add_lora_arguments(group, base_default_text="fp32 for profile")
     group.add_argument("--bucket", type=size_type("elements", "--bucket"),
                        help="DeepSpeed reduce/allgather/prefetch bucket size in elements (5e8, 500M)")
@@ -83,6 +85,7 @@ def build_plan_dict(args) -> dict:
                       ("grad_accum", "grad_accum"), ("ac", "activation_checkpointing")):
         if getattr(args, flag) is not None:
             training[key] = getattr(args, flag)
+    training.update(kernel_changes(args))
     lora = lora_section(training.get("lora"), args.lora_r, args.lora_targets, args.lora_base, "fp32")
     if lora is not None:
         training["lora"] = with_default_targets(lora, data.get("model"))

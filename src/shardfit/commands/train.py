@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+from shardfit.commands.kernel_flags import add_kernel_arguments
 from shardfit.commands.lora_flags import add_lora_arguments
 from shardfit.errors import ShardfitError
 from shardfit.spec.sizes import size_type
@@ -28,6 +29,7 @@ def add_arguments(parser) -> None:
     group.add_argument("--seq", type=int, help="maximum sequence length (batches are padded to their longest)")
     group.add_argument("--grad-accum", type=int, dest="grad_accum")
     group.add_argument("--ac", help="activation checkpointing: none, selective (per-op), full, every-N")
+    add_kernel_arguments(group)
     group.add_argument("--lr", type=float)
     group.add_argument("--seed", type=int)
     add_lora_arguments(group, base_default_text="fp32 for train")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import yaml
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class
+from shardfit.emit.kernels import optimizer_line, trainer_kernel_notes
 from shardfit.spec.plan import Plan
 
 _MIXED = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp32": "no"}
@@ -92,6 +93,8 @@ def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]
 
 def emit_accelerate(plan: Plan, options: EmitOptions) -> Emitted:
     config, notes = accelerate_config(plan, options)
+    notes += [line for line in [optimizer_line(plan)] + trainer_kernel_notes(plan) if line]
     text = "# accelerate launch --config_file accelerate.yaml train.py   (written by shardfit)\n"
+    text += "".join(f"# {line}\n" for line in [optimizer_line(plan)] + trainer_kernel_notes(plan) if line)
     text += yaml.safe_dump(config, sort_keys=True)
     return Emitted(files={"accelerate.yaml": text}, notes=tuple(notes))

@@ -53,6 +53,14 @@ def emit_deepspeed(plan: Plan, options: EmitOptions) -> Emitted:
     if "optimizer" not in config:
         notes.append(f"{plan.training.optimizer} is not a DeepSpeed optimizer: build it in the script and pass "
                      "it to deepspeed.initialize(optimizer=...)")
+    if "optimizer" in config and plan.training.optimizer_impl in ("foreach", "single"):
+        notes.append(f"DeepSpeed builds its FusedAdam from this config (no step scratch); the plan's "
+                     f"{plan.training.optimizer_impl} step needs a client torch.optim.AdamW(foreach="
+                     f"{plan.training.optimizer_impl == 'foreach'}) passed to deepspeed.initialize(optimizer=...), "
+                     "as `shardfit train` does")
+    if plan.training.loss == "chunked":
+        notes.append("the chunked cross-entropy is training-script code, not DeepSpeed config: compute the loss with "
+                     "shardfit's engines/chunked_loss.py (model_loss) or Liger-Kernel's fused linear cross-entropy")
     if plan.training.activation_checkpointing != "none":
         notes.append("activation checkpointing is set in the model code (e.g. model.activation_checkpointing_enable("
                      "activation_checkpointing_kwargs={'use_reentrant': False}), gradient_checkpointing_enable before "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
+from shardfit.emit.kernels import script_fields
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
 
@@ -38,7 +39,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     MODEL_CONFIG = {config}
 
 
-    {model_functions}
+    {model_functions}{loss_code}
 
 
     def batches(vocab, device, rank):
@@ -115,12 +116,14 @@ _MAIN = '''
         # Built in host RAM; sharding moves one unit at a time to the device, so the GPU never holds the
         # whole model. For models too big for host RAM per rank, build on the meta device (torchtitan).
         model = build_model()
+        {head_setup}
         if AC_EVERY:
             apply_activation_checkpointing(model)
         model = shard(model, device, world)
         # The optimizer comes after sharding so it holds the sharded parameters.
+        {optimizer_note}
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                      betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+                                      betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY{optimizer_kwargs})
         scaler = None
         if COMPUTE_DTYPE == torch.float16:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -131,7 +134,7 @@ _MAIN = '''
             total = 0.0
             for _ in range(GRAD_ACCUM):
                 ids = next(data)
-                loss = model(input_ids=ids, labels=ids).loss / GRAD_ACCUM
+                {loss_line}
                 (scaler.scale(loss) if scaler else loss).backward()
                 total += loss.item()
             if scaler:
@@ -189,7 +192,9 @@ def fsdp_script(plan: Plan, version: int) -> str:
                     "none": "None"}[s.backward_prefetch]
         body = _FSDP1.format(sharding=sharding, prefetch=prefetch, offload=bool(s.offload_params))
     # Templates are indented in this file (so no line here reads as a top-level import) and dedented here.
-    return textwrap.dedent(_HEADER).format(**fields) + textwrap.dedent(body) + textwrap.dedent(_MAIN).format()
+    kernels = script_fields(plan)
+    header = textwrap.dedent(_HEADER).format(**fields, loss_code=kernels.pop("loss_code"))
+    return header + textwrap.dedent(body) + textwrap.dedent(_MAIN).format(**kernels)
 
 
 def _check_kind(plan: Plan, version: int) -> list[str]:

@@ -6,6 +6,7 @@ import pprint
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, block_module
 from shardfit.emit.deepspeed import deepspeed_config
+from shardfit.emit.kernels import hf_optim, optimizer_line, trainer_kernel_notes
 from shardfit.spec.plan import Plan
 
 _HF_OPTIM = {"adamw": "adamw_torch_fused", "adamw8bit": "adamw_bnb_8bit", "sgd": "sgd", "lion": "lion_32bit",
@@ -15,7 +16,8 @@ _HF_OPTIM = {"adamw": "adamw_torch_fused", "adamw8bit": "adamw_bnb_8bit", "sgd":
 def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]]:
     """Keyword arguments for transformers.TrainingArguments (transformers 5.x names)."""
     s, t, sched = plan.strategy, plan.training, plan.schedule
-    notes: list[str] = []
+    optim, notes = hf_optim(plan, _HF_OPTIM[t.optimizer])
+    notes += trainer_kernel_notes(plan)
     args: dict = {
         "output_dir": options.out_dir,
         "per_device_train_batch_size": t.micro_batch,
@@ -30,7 +32,7 @@ def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str
         "seed": sched.seed,
         "logging_steps": max(sched.log_every, 1),
         "save_strategy": "steps" if sched.save_every else "no",
-        "optim": _HF_OPTIM[t.optimizer],
+        "optim": optim,
         "bf16": t.precision in ("bf16", "bf16-pure"),
         "fp16": t.precision == "fp16",
     }
@@ -121,6 +123,7 @@ def emit_lightning(plan: Plan, options: EmitOptions) -> Emitted:
     if not s.is_deepspeed:  # DeepSpeed takes clipping from its config
         lines.append(f"    gradient_clip_val={sched.grad_clip},")
     lines += [f"    max_steps={sched.steps},", ")",
-              f"# DataLoader batch_size={t.micro_batch} (per device), sequences of {t.seq_len} tokens", ""]
-    notes: list[str] = []
+              f"# DataLoader batch_size={t.micro_batch} (per device), sequences of {t.seq_len} tokens"]
+    notes = trainer_kernel_notes(plan)
+    lines += [f"# {line}" for line in [optimizer_line(plan)] + notes if line] + [""]
     return Emitted(files={"lightning_strategy.py": "\n".join(lines)}, notes=tuple(notes))

@@ -19,6 +19,7 @@ from shardfit import sac
 from shardfit.errors import ShardfitError
 from shardfit.modeling import block_classes
 from shardfit.runtime_env import process_group_kwargs
+from shardfit.engines.chunked_loss import install as install_chunked_loss
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
 
@@ -109,6 +110,8 @@ def prepare_model(plan: Plan, model):
         apply_activation_checkpointing(model, blocks_cls, every, selective=is_selective_ac(t.activation_checkpointing))
     if t.precision == "bf16-pure":
         model = model.to(torch.bfloat16)
+    if t.loss == "chunked":
+        install_chunked_loss(model, t.loss_chunks)
     return model, blocks_cls
 
 
@@ -231,14 +234,11 @@ def trainable_params(model):
 def build_optimizer(plan: Plan, params):
     t, s = plan.training, plan.schedule
     params = list(params)
-    # NOTE: on CPU, foreach=False keeps the update arithmetic the same for plain tensors and DTensors,
-    # so DDP, FSDP and FSDP2 stay bit-identical; on GPUs the multi-tensor kernels are much faster.
-    foreach = bool(params) and params[0].device.type == "cuda"
+    kernel = optimizer_kernel(t.optimizer_impl, bool(params) and params[0].device.type == "cuda")
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95), eps=1e-8,
-                                 foreach=foreach)
+        return torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95), eps=1e-8, **kernel)
     if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=s.weight_decay, foreach=foreach)
+        return torch.optim.SGD(params, lr=s.lr, momentum=0.9, weight_decay=s.weight_decay, **kernel)
     if t.optimizer == "adamw8bit":
         try:
             import bitsandbytes as bnb
@@ -248,6 +248,15 @@ def build_optimizer(plan: Plan, params):
         # memory, which torch's allocator statistics do not see (bitsandbytes falls back to this one on CPU).
         return bnb.optim.AdamW8bit(params, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95), eps=1e-8)
     raise ShardfitError(f"optimizer '{t.optimizer}' is not supported by `shardfit train` yet: use adamw, adamw8bit or sgd")
+
+
+def optimizer_kernel(impl: str, cuda: bool) -> dict:
+    """torch.optim's keyword for training.optimizer_impl. auto: foreach on CUDA, the single-tensor loop on
+    CPU (it keeps the update arithmetic the same for plain tensors and DTensors, so DDP, FSDP and FSDP2
+    stay bit-identical there). fused: one kernel per step (CUDA and, since torch 2.4, CPU; DTensors too)."""
+    if impl == "fused":
+        return {"fused": True, "foreach": False}
+    return {"foreach": impl == "foreach" or (impl == "auto" and cuda), "fused": False if impl != "auto" else None}
 
 
 def lr_lambda(plan: Plan) -> Callable[[int], float]:

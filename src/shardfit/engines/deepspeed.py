@@ -10,6 +10,7 @@ import torch
 
 from shardfit.engines import base
 from shardfit.engines.dcp_io import SafeMetadataReader
+from shardfit.engines.chunked_loss import chunked_head, model_loss
 from shardfit.errors import ShardfitError
 from shardfit.spec.deepspeed_config import zero_optimization
 
@@ -63,9 +64,10 @@ def setup(plan, model, ctx) -> base.Engine:
         model=model, model_parameters=base.trainable_params(model), config=config,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule), **kwargs)
     stage = config["zero_optimization"]["stage"]
+    head = chunked_head(engine.module)  # None: the model's own loss
 
     def forward_backward(batch: dict, last: bool):
-        loss = engine(**base.to_device(batch, engine.device)).loss
+        loss = model_loss(engine, base.to_device(batch, engine.device), head)
         engine.backward(loss)  # divides by gradient_accumulation_steps itself
         engine.step()  # an optimizer step only on the accumulation boundary
         return loss.detach().float()

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from shardfit.engines import quantized_state
+from shardfit.engines.chunked_loss import chunked_head, model_loss
 from shardfit.engines.base import DistContext, Engine, to_device
 from shardfit.engines.dcp_io import async_save_state, SafeMetadataReader, save_with_checksums
 from shardfit.spec.plan import Plan
@@ -22,11 +23,12 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     accum = plan.training.grad_accum
     quantized = quantized_state.is_quantized(plan)
     grad_clip = plan.schedule.grad_clip
+    head = chunked_head(model)  # None: the model's own loss
 
     def forward_backward(batch: dict, last: bool):
         with sync(last):
             with (autocast() if autocast else nullcontext()):
-                loss = model(**to_device(batch, ctx.device)).loss
+                loss = model_loss(model, to_device(batch, ctx.device), head)
             scaled = loss.float() / accum
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         return loss.detach().float()

@@ -16,6 +16,7 @@ from functools import lru_cache
 
 from shardfit.errors import ShardfitError
 from shardfit.estimate import activations as act
+from shardfit.estimate import chunked_loss as closs
 from shardfit.estimate import buffers as bufs
 from shardfit.estimate import overhead as ovh
 from shardfit.estimate import lora_sharding as lsh
@@ -27,10 +28,10 @@ from shardfit.estimate.buffers import Buffers
 from shardfit.estimate.derived import evaluate
 from shardfit.estimate.forward_timeline import inside_instants
 from shardfit.estimate.result import Estimate, Term
+from shardfit.spec.kernels import OPTIMIZER_IMPLS
 from shardfit.spec.plan import is_selective_ac, parse_activation_checkpointing
 
 ACCOUNTING = ("real", "ideal", "deepspeed")
-OPTIMIZER_IMPLS = ("auto", "foreach", "single", "fused")
 CHECKPOINT_MODES = ("sharded", "full")
 DEVICES = ("cuda", "cpu")
 
@@ -92,12 +93,14 @@ def shard_degree(plan) -> int:
 
 
 def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint: str = "sharded",
-             optimizer_impl: str = "auto", explain: bool = False) -> Estimate:
+             optimizer_impl: str | None = None, explain: bool = False) -> Estimate:
     """Per-rank device bytes by phase and category for a (validated) plan.
 
     device "cpu" drops the CUDA-only overhead and uses the CPU kernels' dtypes (dropout masks).
     optimizer_impl "auto": torch's CUDA default (foreach) for DDP/FSDP and FusedAdam for DeepSpeed on
-    cuda; the single-tensor loop on cpu (what `shardfit train` runs: foreach=False everywhere)."""
+    cuda; the single-tensor loop on cpu (what `shardfit train` runs: foreach=False everywhere).
+    None: the plan's training.optimizer_impl."""
+    optimizer_impl = optimizer_impl or plan.training.optimizer_impl
     if accounting not in ACCOUNTING:
         raise ShardfitError(f"accounting '{accounting}' is not known: use one of {', '.join(ACCOUNTING)}")
     if optimizer_impl not in OPTIMIZER_IMPLS:
@@ -113,6 +116,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     if optimizer == "adamw8bit":
         factored = sts.eightbit_fraction(model, *(lora_key[:2] if lora_key else ()))
     terms: list | None = [] if explain else None
+    loss_grads = 0  # the head's weight gradient during a chunked loss's backward
     notes: list | None = [] if explain else None
 
     def term(name, value, formula, inputs, source):
@@ -145,6 +149,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         # Activations that exist before the head runs: embedding indices, rotary tables / positions.
         a_pre_head = a_head - int(tokens * sum(per for label, per, _ in prof.head_items
                                                if not label.startswith("embedding.")))
+        if t.loss == "chunked":  # the head + loss per row chunk (estimate/chunked_loss.py)
+            a_head, loss_fwd, loss_inputs, loss_bwd, loss_grads = closs.chunked_loss_bytes(
+                model, regime, kind, t.micro_batch, seq, t.loss_chunks, lora is None, a_head, term if explain else None)
         # A checkpointed block saves nothing in forward but still builds its working set there: the
         # residual stream, the normed input and the widest intermediates (SwiGLU: gate, up, act) --
         # the same tensors whose gradients make up its backward working set -- and, where attention
@@ -182,17 +189,18 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
               "selective_kept_per_token": kept[0]},
              "full recompute keeps only the block input (Korthikanti et al. sec. 5); per-op selective "
              "checkpointing also keeps every other matmul output and the attention output (shardfit/sac.py)")
-        term("activations.head", a_head, "b*s*(final norm + log_softmax fp32 + labels) + rotary",
-             {"per_token": prof.head,
-              "tensors": {label: per for label, per, _ in prof.head_items}},
-             "transformers ForCausalLMLoss: fp32 log_softmax saved for backward")
-        term("temporaries.logits_and_upcast", loss_fwd, "b*s*V*d + b*s*V*4 when logits are 16-bit",
-             {"V": model.vocab_size, "tokens": tokens}, "lm_head output + ForCausalLMLoss logits.float()")
-        term("temporaries.loss_inputs", loss_inputs, "24*b*s + 8*b (+ b*s*h*4 under autocast)",
-             {"b": t.micro_batch, "s": seq, "regime": regime},
-             "ForCausalLMLoss padded/shifted int64 labels; the fp32 final-norm output an autocast model still holds")
-        term("temporaries.loss_backward", loss_bwd, "2 * b*s*V*4", {"V": model.vocab_size, "tokens": tokens},
-             "nll_loss and log_softmax gradients in fp32")
+        if t.loss == "standard":  # the chunked loss's terms: estimate/chunked_loss.py
+            term("activations.head", a_head, "b*s*(final norm + log_softmax fp32 + labels) + rotary",
+                 {"per_token": prof.head,
+                  "tensors": {label: per for label, per, _ in prof.head_items}},
+                 "transformers ForCausalLMLoss: fp32 log_softmax saved for backward")
+            term("temporaries.logits_and_upcast", loss_fwd, "b*s*V*d + b*s*V*4 when logits are 16-bit",
+                 {"V": model.vocab_size, "tokens": tokens}, "lm_head output + ForCausalLMLoss logits.float()")
+            term("temporaries.loss_inputs", loss_inputs, "24*b*s + 8*b (+ b*s*h*4 under autocast)",
+                 {"b": t.micro_batch, "s": seq, "regime": regime},
+                 "ForCausalLMLoss padded/shifted int64 labels; the fp32 final-norm output an autocast model still holds")
+            term("temporaries.loss_backward", loss_bwd, "2 * b*s*V*4", {"V": model.vocab_size, "tokens": tokens},
+                 "nll_loss and log_softmax gradients in fp32")
         if wcopy_fwd:
             term("temporaries.autocast_weight_copies", wcopy_fwd, "2*(block linear weights)*L + 2*V*h",
                  {"L": model.num_layers, "n_ckpt": n_ckpt}, "torch.autocast weight cast cache, saved for backward")
@@ -222,7 +230,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         params, grads_full, opt, temps = deepspeed_estimator_states(plan, largest, host, term, notes)
         grads_persist = grads_full
         buf = Buffers(temps)
-        a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = recompute = 0
+        a_blocks = a_head = a_block = loss_fwd = loss_inputs = attn_fwd = loss_bwd = bwd_work = recompute = loss_grads = 0
         traced_inside = []
         wcopy = wcopy_fwd = 0
         a_pre_head = fwd_work = 0
@@ -297,7 +305,7 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     # Backward peaks at its start (all activations + loss gradients), inside the first block it
     # reaches (a recomputed block + one block's gradient working set), inside the last block (nearly
     # every gradient + that block's activations) or at its end (all gradients); the largest wins.
-    acts_b, grads_b, temps_b = a_blocks + a_head, grads_persist, buf.start + loss_bwd + wcopy
+    acts_b, grads_b, temps_b = a_blocks + a_head, grads_persist + loss_grads, buf.start + loss_bwd + wcopy
     last_acts = ((prof.ckpt_input * tokens + kept_block if n_ckpt else a_block) + recompute
                  if prof is not None else 0)
     done = 1.0 - (model.block_params + model.vocab_size * model.hidden_size) / model.n_params \
@@ -365,7 +373,8 @@ def _assumptions(plan, regime, shard, accounting, device, checkpoint) -> list[st
            f"micro-batch {t.micro_batch} x seq {t.seq_len}, activation checkpointing {t.activation_checkpointing}, "
            f"attention {t.attention}",
            f"checkpoint save: {checkpoint}; device: {device}; accounting: {accounting}",
-           "loop does `loss = model(**batch).loss`: the logits are freed before backward"]
+           "loop does `loss = model(**batch).loss`: the logits are freed before backward" if t.loss == "standard" else
+           f"chunked loss: head + cross-entropy in {t.loss_chunks} row chunks, logits recomputed in backward"]
     m = plan.model
     if m.derived:
         out.append(f"{m.model_class}: no hand-written rules; spec from a meta-device build, saved activations "

@@ -95,6 +95,7 @@ def explain_rejections(best, found, smallest, all_families, searched_tiers, sear
                     f"{search.request.host_memory_gib:g} GiB (--host-memory-gib)")))
                 continue
             out.append(Rejection(family=fam.label, reason=(
-                f"does not fit: {fmt_bytes(peak)} at micro-batch 1 with AC {plan.training.activation_checkpointing} > {fmt_bytes(search.usable)} usable "
+                f"does not fit: {fmt_bytes(peak)} at micro-batch 1 with AC {plan.training.activation_checkpointing}"
+                f"{' and the chunked loss' if plan.training.loss == 'chunked' else ''} > {fmt_bytes(search.usable)} usable "
                 f"({est.peak_category} is the largest part, at the {est.peak_phase} peak)")))
     return out

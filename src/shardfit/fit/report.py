@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from shardfit.fit.host import needs_text, over_assumed
 from shardfit.units import fmt_bytes
+from shardfit.spec.kernels import loss_label
 
 
 def _s(seconds: float) -> str:
@@ -30,7 +31,8 @@ def format_text(result) -> str:
         b = result.best
         t = b.plan.training
         lines.append(f"best: {b.family}: micro-batch {t.micro_batch} x accumulation {t.grad_accum}, activation "
-                     f"checkpointing {t.activation_checkpointing}, {t.precision}")
+                     f"checkpointing {t.activation_checkpointing}, {t.precision}, loss {loss_label(t.loss, t.loss_chunks)}, "
+                     f"optimizer step {t.optimizer_impl}")
         lines.append(f"  memory {fmt_bytes(b.peak_bytes)} per GPU of {fmt_bytes(result.usable_bytes)} usable; "
                      f"{needs_text(b.host_bytes, b.nvme_bytes, r, result.gpu)}")
         if result.largest_term:
@@ -62,7 +64,9 @@ def _candidate(c, world, gpu) -> dict:
     t = c.time
     return {"family": c.family, "strategy": c.plan.strategy.label, "micro_batch": c.plan.training.micro_batch,
             "grad_accum": c.plan.training.grad_accum, "activation_checkpointing": c.plan.training.activation_checkpointing,
-            "precision": c.plan.training.precision, "peak_bytes": c.peak_bytes,
+            "precision": c.plan.training.precision, "loss": c.plan.training.loss,
+            "loss_chunks": c.plan.training.loss_chunks, "optimizer_impl": c.plan.training.optimizer_impl,
+            "peak_bytes": c.peak_bytes,
             "host_bytes_per_node": c.host_bytes, "nvme_bytes_per_node": c.nvme_bytes,
             "step_s": round(t.total_s, 6), "compute_s": round(t.compute_s, 6), "comm_s": round(t.comm_s, 6),
             "exposed_comm_s": round(t.exposed_comm_s, 6), "offload_s": round(t.offload_s, 6),

@@ -15,9 +15,11 @@ from shardfit.estimate.selective import selective_available
 from shardfit.fit.explain import Rejection, explain_rejections
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.host import assumption_note, needs_text, over_assumed
+from shardfit.fit.kernels import chunked_rung, kernel_notes, loss_options, optimizer_impl_for, with_loss
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
 from shardfit.spec.gpus import GPU, get_gpu
+from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import LoRA, Plan, validate_plan
 from shardfit.units import fmt_bytes
@@ -45,6 +47,9 @@ class FitRequest:
     top: int = 3
     base: Plan | None = None  # carries schedule / data into the result
     device_profile: GPU | None = None  # calibrated rates (--device-profile); memory and plans still name `gpu`
+    loss: str | None = None  # standard | chunked (--loss); None = fit tries chunked where it makes a plan fit
+    loss_chunks: int = DEFAULT_LOSS_CHUNKS
+    optimizer_impl: str | None = None  # auto | foreach | single | fused; None = fit chooses (fit/kernels.py)
 
     @property
     def world_size(self) -> int:
@@ -64,7 +69,8 @@ class Candidate:
     @property
     def label(self) -> str:
         t = self.plan.training
-        return f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}"
+        loss = f" loss=chunked:{t.loss_chunks}" if t.loss == "chunked" else ""
+        return f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}{loss}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,7 +177,8 @@ def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, pe
         strategy=strategy,
         training={"micro_batch": micro, "grad_accum": per_rank // micro, "seq_len": seq, "precision": precision,
                   "loss_scaling": loss_scaling, "activation_checkpointing": ac, "lora": request.lora,
-                  "optimizer": request.optimizer},
+                  "optimizer": request.optimizer, "optimizer_impl": optimizer_impl_for(request, strategy),
+                  "loss": request.loss or "standard", "loss_chunks": request.loss_chunks},
         cluster={"nodes": request.nodes, "gpus_per_node": request.gpus_per_node, "gpu": request.gpu,
                  "host_memory_gib": request.host_memory_gib})
 
@@ -204,25 +211,33 @@ def _sorted(cands: list[Candidate]) -> list[Candidate]:
 
 
 def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_options):
-    """Each AC setting and buffer variant's largest fitting micro-batch, ranked; and, when none fits,
-    the leanest plan tried (for the "does not fit" reason)."""
+    """Each AC setting and buffer variant's largest fitting micro-batch (and the chunked loss's, where it
+    is what makes the setting fit), ranked; and, when none fits, the leanest plan tried."""
     cands: list[Candidate] = []
+    losses = loss_options(search.request, search.request.model)
     lean: tuple[int, Plan] | None = None
     variants = BUCKET_VARIANTS if fam.strategy.is_deepspeed else ("default",)
     for ac in ac_options:
         for buckets in variants:
             make = make_for(fam, ac, buckets)
             plan = _largest_fitting(search, make, micro_options)
-            if plan is None:
+            chunked = None
+            if "chunked" in losses and make(micro_options[0]).training.loss == "standard":  # the next rung
+                chunked = chunked_rung(lambda m: _largest_fitting(search, m, micro_options), make, micro_options,
+                                       plan, search.request.loss_chunks)
+            if plan is None and chunked is None:
                 tried = make(micro_options[0])
+                if "chunked" in losses:
+                    tried = with_loss(tried, "chunked", search.request.loss_chunks)
                 peak = search.peak(tried) if search.host_ok(tried) else 2**62
                 if lean is None or peak <= lean[0]:  # ties go to the later, leaner setting
                     lean = (peak, tried)
                 continue
-            cands.append(Candidate(family=fam.label, plan=plan, peak_bytes=search.peak(plan),
-                                   time=step_time(plan, search.gpu), host_bytes=search.host_bytes(plan),
-                                   nvme_bytes=search.nvme_bytes(plan),
-                                   order=fam.order * 10 + ac_options.index(ac) * 2 + variants.index(buckets)))
+            for found in (p for p in (plan, chunked) if p is not None):
+                cands.append(Candidate(family=fam.label, plan=found, peak_bytes=search.peak(found),
+                                       time=step_time(found, search.gpu), host_bytes=search.host_bytes(found),
+                                       nvme_bytes=search.nvme_bytes(found),
+                                       order=fam.order * 10 + ac_options.index(ac) * 2 + variants.index(buckets)))
     return _sorted(cands), (lean if not cands else None)
 
 
@@ -297,6 +312,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         notes += [f"note: {w}" for w in warnings]
         if over_assumed(best.host_bytes, request, search.gpu):
             notes.append(f"WARNING: the best plan needs {needs_text(best.host_bytes, best.nvme_bytes, request, search.gpu)}")
+    notes += kernel_notes(search, best, request)
     alternatives = tuple(ranked[1:1 + request.top])
     rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
     rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]

@@ -98,7 +98,8 @@ def step_flops(plan: Plan) -> tuple[float, float]:
     LoRA the frozen base skips its weight gradients, so backward is ~2·P. Attention scores and
     values: 4·s·h per token per layer forward (2·s²·h each for QKᵀ and AV per sequence), three
     times that for forward + backward (the "12·L·h·s²·b" rule), halved for causal kernels.
-    Activation checkpointing re-runs the forward of the checkpointed blocks once more.
+    Activation checkpointing re-runs the forward of the checkpointed blocks once more; the chunked
+    loss re-runs the head's matmul (2·V·h per token).
     """
     m, t = plan.model, plan.training
     micro_tokens = t.micro_batch * t.seq_len
@@ -121,6 +122,9 @@ def step_flops(plan: Plan) -> tuple[float, float]:
         flops = model_flops + 0.5 * dense_fwd
     else:
         flops = model_flops + (forward / every if every else 0.0)
+    if t.loss == "chunked" and m.has_shape:
+        # engines/chunked_loss.py recomputes each chunk's logits in backward: the head's matmul once more.
+        flops += 2.0 * m.vocab_size * m.hidden_size * micro_tokens
     return flops * t.grad_accum, model_flops * t.grad_accum
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from shardfit.errors import ShardfitError
 from shardfit.spec.fields import build_section
 from shardfit.spec.gpus import get_gpu
+from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS, check_kernels
 from shardfit.spec.model_spec import ModelSpec
 
 # single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
@@ -161,6 +162,10 @@ class Training:
     activation_checkpointing: str = "none"
     attention: str = "sdpa"
     lora: LoRA | None = None
+    # spec/kernels.py: standard | chunked head+loss (loss_chunks row chunks); AdamW auto|foreach|single|fused
+    loss: str = "standard"
+    loss_chunks: int = DEFAULT_LOSS_CHUNKS
+    optimizer_impl: str = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,6 +320,7 @@ def validate_plan(plan: Plan) -> list[str]:
     one_of(t.optimizer, OPTIMIZERS, "training.optimizer")
     one_of(t.attention, ATTENTION, "training.attention")
     parse_activation_checkpointing(t.activation_checkpointing)
+    check_kernels(plan)
     gpu = get_gpu(c.gpu)
     for name, value in (("training.micro_batch", t.micro_batch), ("training.seq_len", t.seq_len),
                         ("training.grad_accum", t.grad_accum), ("cluster.nodes", c.nodes),

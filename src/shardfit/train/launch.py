@@ -11,6 +11,7 @@ from shardfit.spec.fields import lora_section
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import parse_strategy, plan_from_dict
 from shardfit.spec.planfile import read_plan_data
+from shardfit.spec.kernels import kernel_fields
 
 # Without a plan file: the tiny preset on CPU, fp32, a few steps, so `shardfit train` finishes
 # in well under a minute on a fresh machine.
@@ -86,6 +87,8 @@ def plan_data(args) -> dict:
         value = getattr(args, flag, None)
         if value is not None:
             data[section][key] = value
+    # --loss / --optimizer-impl (commands/kernel_flags.py)
+    data["training"].update(kernel_fields(getattr(args, "loss", None), getattr(args, "optimizer_impl", None)))
     # The LoRA flags (commands/lora_flags.py): any of them turns LoRA on; rank 16 when not given.
     lora = lora_section(data["training"].get("lora"), *(getattr(args, name, None)
                                                          for name in ("lora_r", "lora_targets", "lora_base")), "fp32")

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from shardfit import engines
 from shardfit.data import DistributedBatches, collate, load_data
 from shardfit.engines.base import DistContext, init_distributed
+from shardfit.engines.chunked_loss import chunked_head, model_loss
 from shardfit.engines.dcp_io import close_async_writer
 from shardfit.errors import ShardfitError
 from shardfit.measure.api import active_profiler
@@ -253,11 +254,12 @@ def evaluate(engine, data, tokenizer, options: RunOptions) -> dict:
     count = max(1, min(options.eval_batches, len(data.val) // span))
     total = torch.zeros(1, dtype=torch.float64)
     with engine.inference() as model:
+        head = chunked_head(model)  # the plan's loss, as in training
         for k in range(count):
             start = k * span + ctx.rank * t.micro_batch
             batch = collate(list(data.val[start:start + t.micro_batch]), data.pad_id)
             batch = {key: value.to(ctx.device) for key, value in batch.items()}
-            total += float(model(**batch).loss.float())
+            total += float(model_loss(model, batch, head).float())
     total = total.to(ctx.device)
     dist.all_reduce(total)
     tokens, text = engine_generate(engine, tokenizer, options.prompt, options.new_tokens)
