@@ -21,8 +21,11 @@ def add_arguments(parser) -> None:
     add_lora_arguments(parser)
     parser.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
-                        help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling)")
-    parser.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit, sgd, lion, adafactor")
+                        help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling; "
+                             "pure bf16 is tried before offload when nothing else fits)")
+    parser.add_argument("--optimizer", default=None,
+                        help="adamw, adamw8bit, sgd, lion, adafactor (default adamw; 8-bit AdamW is tried before "
+                             "offload when nothing else fits; giving --optimizer pins it)")
     parser.add_argument("--engine", default="single,ddp,deepspeed,fsdp",
                         help="comma list of engines to search: single (one GPU only), ddp, deepspeed, fsdp (default all)")
     parser.add_argument("--cpu", action="store_true",
@@ -46,6 +49,7 @@ def add_arguments(parser) -> None:
 def request_from_args(args):
     from shardfit.errors import ShardfitError
     from shardfit.fit import FitRequest
+    from shardfit.fit.rungs import RUNG_NAMES
     from shardfit.spec.models import load_model_spec
     from shardfit.spec.plan import Plan, Schedule
 
@@ -74,9 +78,12 @@ def request_from_args(args):
         profiled = profile.as_gpu(memory_gib=get_gpu(args.gpu).memory_gib if args.gpu else None)
         if args.gpu is None:
             gpu_name = f"custom:{profiled.memory_gib:g}"
-    return FitRequest(model=model, gpu=gpu_name, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
+    # A knob given on the command line is pinned: its state rung (fit/rungs.py) is not climbed.
+    rungs = tuple(r for r in RUNG_NAMES if not (r == "adamw8bit" and args.optimizer is not None)
+                  and not (r == "bf16-pure" and args.precision is not None))
+    return FitRequest(model=model, gpu=gpu_name, rungs=rungs, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                       global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
-                      optimizer=args.optimizer, engines=engines, device="cpu" if args.cpu else "cuda",
+                      optimizer=(args.optimizer or "adamw").strip().lower(), engines=engines, device="cpu" if args.cpu else "cuda",
                       host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
+from shardfit.emit.optimizer_code import optimizer_code
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
 
@@ -34,6 +35,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     AC_EVERY = {ac_every}  # checkpoint every N-th block; 0 = off
     SHARD_GROUP = {group}  # ranks per shard group (hybrid sharding across nodes); None = all ranks
     COMPUTE_DTYPE = {dtype}  # None = fp32
+    PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
     LORA = {lora}
     MODEL_CONFIG = {config}
 
@@ -60,7 +62,7 @@ _FSDP2 = '''
         else:
             mesh = init_device_mesh(device.type, (world,))
         kwargs = {{"mesh": mesh, "reshard_after_forward": {reshard}}}
-        if COMPUTE_DTYPE is not None:
+        if COMPUTE_DTYPE is not None and not PURE_BF16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
         if {offload}:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
@@ -85,7 +87,7 @@ _FSDP1 = '''
         if SHARD_GROUP and SHARD_GROUP < world:
             from torch.distributed.device_mesh import init_device_mesh
             kwargs["device_mesh"] = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP))
-        if COMPUTE_DTYPE is not None:
+        if COMPUTE_DTYPE is not None and not PURE_BF16:
             kwargs["mixed_precision"] = MixedPrecision(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32,
                                                        buffer_dtype=COMPUTE_DTYPE)
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(block_types),
@@ -117,10 +119,11 @@ _MAIN = '''
         model = build_model()
         if AC_EVERY:
             apply_activation_checkpointing(model)
+        if PURE_BF16:
+            model = model.to(torch.bfloat16)
         model = shard(model, device, world)
         # The optimizer comes after sharding so it holds the sharded parameters.
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                      betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+        {optimizer}
         scaler = None
         if COMPUTE_DTYPE == torch.float16:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -172,7 +175,8 @@ def fsdp_script(plan: Plan, version: int) -> str:
                   micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
                   steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
-                  ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision], lora=repr(lora),
+                  ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
+                  pure=t.precision == "bf16-pure", lora=repr(lora),
                   config=repr(config))
     if version == 2:
         body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
@@ -189,7 +193,8 @@ def fsdp_script(plan: Plan, version: int) -> str:
                     "none": "None"}[s.backward_prefetch]
         body = _FSDP1.format(sharding=sharding, prefetch=prefetch, offload=bool(s.offload_params))
     # Templates are indented in this file (so no line here reads as a top-level import) and dedented here.
-    return textwrap.dedent(_HEADER).format(**fields) + textwrap.dedent(body) + textwrap.dedent(_MAIN).format()
+    return textwrap.dedent(_HEADER).format(**fields) + textwrap.dedent(body) + textwrap.dedent(_MAIN).format(
+        optimizer=optimizer_code(plan, "[p for p in model.parameters() if p.requires_grad]"))
 
 
 def _check_kind(plan: Plan, version: int) -> list[str]:

@@ -14,6 +14,7 @@ from shardfit.estimate.estimator import estimate
 from shardfit.estimate.selective import selective_available
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.host import assumption_note, needs_text, over_assumed
+from shardfit.fit.rungs import RUNG_NAMES, rung_note, rungs_for
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
 from shardfit.measure.report import fmt_bytes
@@ -44,6 +45,8 @@ class FitRequest:
     top: int = 3
     base: Plan | None = None  # carries schedule / data into the result
     device_profile: GPU | None = None  # calibrated rates (--device-profile); memory and plans still name `gpu`
+    # State rungs (fit/rungs.py) fit may climb before offload; the CLI drops one whose knob is pinned.
+    rungs: tuple[str, ...] = RUNG_NAMES
 
     @property
     def world_size(self) -> int:
@@ -59,11 +62,13 @@ class Candidate:
     order: int
     host_bytes: int = 0  # host RAM per node (offloaded states, pinned buffers)
     nvme_bytes: int = 0  # NVMe per node (ZeRO-Infinity)
+    rung: str = ""  # the state rung (fit/rungs.py) this plan needed, "" for full-precision states
 
     @property
     def label(self) -> str:
         t = self.plan.training
-        return f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}"
+        text = f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}"
+        return text + (f" ({self.rung})" if self.rung else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +171,7 @@ class _Search:
 
 
 def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, per_rank: int,
-               seq: int, precision: str, loss_scaling, request: FitRequest) -> Plan:
+               seq: int, precision: str, loss_scaling, request: FitRequest, rung_training: dict | None = None) -> Plan:
     strategy = family.strategy
     if strategy.is_deepspeed:
         changes = bucket_changes(buckets, base.model.hidden_size)
@@ -176,7 +181,7 @@ def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, pe
         strategy=strategy,
         training={"micro_batch": micro, "grad_accum": per_rank // micro, "seq_len": seq, "precision": precision,
                   "loss_scaling": loss_scaling, "activation_checkpointing": ac, "lora": request.lora,
-                  "optimizer": request.optimizer},
+                  "optimizer": request.optimizer, **(rung_training or {})},
         cluster={"nodes": request.nodes, "gpus_per_node": request.gpus_per_node, "gpu": request.gpu,
                  "host_memory_gib": request.host_memory_gib})
 
@@ -231,6 +236,29 @@ def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_opt
     return _sorted(cands), (lean if not cands else None)
 
 
+def _climb_rungs(search: _Search, request: FitRequest, precision: str, loss_scaling, base: Plan, per_rank: int,
+                 all_families, ac_options, micro_options, found: dict):
+    """The first state rung (fit/rungs.py) under which a family without offload fits: its candidates go
+    into `found`; the rung is returned (None when none makes anything fit)."""
+    for rung in rungs_for(request, precision):
+        def make_for(fam: Family, ac: str, buckets: str, rung=rung):
+            return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
+                                            loss_scaling, request, rung.training)
+        hits = {}
+        for fam in (f for f in all_families if f.tier == 0):
+            try:
+                validate_plan(make_for(fam, "none", "default")(micro_options[0]))
+            except ShardfitError:
+                continue  # e.g. pure bf16 under DeepSpeed (it always keeps fp32 masters)
+            cands, _ = _search_family(search, fam, make_for, ac_options, micro_options)
+            if cands:
+                hits[fam.label] = [replace(c, rung=rung.name) for c in cands]
+        if hits:
+            found.update(hits)
+            return rung
+    return None
+
+
 def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     """The fastest plan predicted to fit with margin, alternatives, and why each family lost."""
     from shardfit.fit.explain import explain_rejections
@@ -281,9 +309,16 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     found: dict[str, list[Candidate]] = {}
     smallest: dict[str, tuple[int, Plan]] = {}
     searched_tiers: set[int] = set()
+    rung = None
     for tier in (0, 1, 2):  # offload tiers only when the tier before found nothing
         if any(found.values()):
             break
+        if tier == 1:  # the state rungs come before offload
+            rung = _climb_rungs(search, request, precision, loss_scaling, base, per_rank, all_families,
+                                ac_options, micro_options, found)
+            if rung is not None:
+                searched_tiers.add(0)
+                break
         searched_tiers.add(tier)
         for fam in (f for f in all_families if f.tier == tier):
             found[fam.label], lean = _search_family(search, fam, make_for, ac_options, micro_options)
@@ -299,6 +334,10 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     # every plan within it: it is never the recommendation while one within it fits.
     ranked.sort(key=lambda c: over_assumed(c.host_bytes, request, search.gpu))
     best = ranked[0] if ranked else None
+    if best is not None and best.rung:
+        full = best.plan.with_changes(training={"optimizer": request.optimizer, "precision": precision})
+        before = search.peak(full)
+        notes.append(rung_note(rung, best.family, before - best.peak_bytes, before, best.peak_bytes, fmt_bytes))
     if best is not None:
         warnings = validate_plan(best.plan)
         notes += [f"note: {w}" for w in warnings]

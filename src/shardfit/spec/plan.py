@@ -360,6 +360,11 @@ def validate_plan(plan: Plan) -> list[str]:
             bad(f"{s.kind} offloads to CPU only: use cpu, or zero3 for NVMe offload")
     if s.is_deepspeed and t.precision == "bf16-pure":
         bad("DeepSpeed always keeps fp32 master weights: use precision bf16, or an FSDP strategy for pure bf16")
+    if s.kind == "fsdp2" and t.optimizer == "adamw8bit":
+        # bitsandbytes' 8-bit kernels take plain tensors; FSDP2's parameters are DTensors (the step fails with
+        # "got mixed torch.Tensor and DTensor", bitsandbytes issue #1633). FSDP1's flat shards are plain.
+        bad("bitsandbytes' 8-bit AdamW does not take FSDP2's DTensor parameters: use fsdp (FSDP1), zero1/2/3 or ddp "
+            "with adamw8bit, or adamw with fsdp2")
     if s.is_deepspeed and t.optimizer in ("adamw8bit", "adafactor") and s.offload_optimizer:
         bad(f"DeepSpeed optimizer offload runs its own CPU Adam: {t.optimizer} can't be offloaded; use adamw")
 
