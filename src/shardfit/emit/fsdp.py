@@ -12,6 +12,7 @@ import textwrap
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
 from shardfit.emit.optimizer_code import optimizer_code
 from shardfit.errors import ShardfitError
+from shardfit.spec.fsdp_units import separate_embedding_units
 from shardfit.spec.plan import Plan
 
 _DTYPES = {"bf16": "torch.bfloat16", "bf16-pure": "torch.bfloat16", "fp16": "torch.float16", "fp32": None}
@@ -54,6 +55,9 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
 
 _FSDP2 = '''
 
+    EMBEDDING_UNITS = {separate}  # the embedding and head as FSDP units of their own (torchtitan wrapping)
+
+
     def shard(model, device, world):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -66,8 +70,16 @@ _FSDP2 = '''
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
         if {offload}:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        # The embedding and head as units of their own (torchtitan): the embedding resharded after its forward,
+        # the head kept gathered until its backward. A tied head shares the embedding's weight: it stays in the root.
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        separate = EMBEDDING_UNITS and head is not None and embedding.weight is not head.weight
+        if separate:
+            fully_shard(embedding, **kwargs)
         for block in [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]:
             fully_shard(block, **kwargs)
+        if separate:
+            fully_shard(head, **{{**kwargs, "reshard_after_forward": False}})
         fully_shard(model, **kwargs)
         return model
 
@@ -180,7 +192,7 @@ def fsdp_script(plan: Plan, version: int) -> str:
                   config=repr(config))
     if version == 2:
         body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
-                             offload=bool(s.offload_params))
+                             offload=bool(s.offload_params), separate=separate_embedding_units(s, plan.model))
     else:
         mode = s.sharding
         if group and group < c.world_size:

@@ -313,10 +313,11 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             blocks_done = min(model.num_layers, -(-max(0, s.reduce_bucket_size - head) // model.block_params))
             acts_reduced = int(a_blocks * (1 - blocks_done / model.num_layers))
     head_grad = buf.head_grad
+    head_late = head_grad if buf.head_grad_late is None else buf.head_grad_late
     for cand in ((a_blocks + recompute, grads_persist + head_grad, buf.inside + bwd_work + wcopy),
                  (acts_reduced, grads_reduced + head_grad, buf.reduce + wcopy),
-                 (last_acts, grads_last + head_grad, buf.last + bwd_work),
-                 (0, grads_full + head_grad + buf.end_grads, buf.end)):
+                 (last_acts, grads_last + head_late, buf.last + bwd_work),
+                 (0, grads_full + head_late + buf.end_grads, buf.end)):
         if cand[0] + cand[1] + cand[2] > acts_b + grads_b + temps_b:
             acts_b, grads_b, temps_b = cand
     backward = {"params": params, "grads": grads_b, "optimizer": opt, "activations": acts_b, "temporaries": temps_b}

@@ -19,6 +19,7 @@ from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
 from shardfit.measure.report import fmt_bytes
 from shardfit.spec.gpus import GPU, get_gpu
+from shardfit.spec.fsdp_units import separate_embedding_units
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import LoRA, Plan, validate_plan
 
@@ -338,6 +339,10 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         full = best.plan.with_changes(training={"optimizer": request.optimizer, "precision": precision})
         before = search.peak(full)
         notes.append(rung_note(rung, best.family, before - best.peak_bytes, before, best.peak_bytes, fmt_bytes))
+    if best is not None and separate_embedding_units(best.plan.strategy, best.plan.model):
+        root = search.peak(best.plan.with_changes(strategy={"embedding_units": "root"}))
+        notes.append(f"fsdp2 wraps the embedding and head as units of their own (torchtitan): "
+                     f"{fmt_bytes(root - best.peak_bytes)} per GPU less than keeping them in the root unit")
     if best is not None:
         warnings = validate_plan(best.plan)
         notes += [f"note: {w}" for w in warnings]
