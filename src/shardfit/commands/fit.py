@@ -19,6 +19,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--global-batch", type=int, dest="global_batch",
                         help="sequences per optimizer step, kept fixed (default 4 per GPU)")
     add_lora_arguments(parser)
+    parser.add_argument("--ac", default=None,
+                        help="pin activation checkpointing (none, selective, full, every-N); fit searches the rest")
+    parser.add_argument("--micro-batch", type=int, default=None, dest="micro_batch",
+                        help="pin the micro-batch (a divisor of the sequences per GPU); accumulation makes up the rest")
+    parser.add_argument("--strategy", default=None,
+                        help="pin the strategy (a label `plan --strategy` takes: fsdp2, zero3+offload, ...)")
     parser.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
                         help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling; "
@@ -81,7 +87,8 @@ def request_from_args(args):
     # A knob given on the command line is pinned: its state rung (fit/rungs.py) is not climbed.
     rungs = tuple(r for r in RUNG_NAMES if not (r == "adamw8bit" and args.optimizer is not None)
                   and not (r == "bf16-pure" and args.precision is not None))
-    return FitRequest(model=model, gpu=gpu_name, rungs=rungs, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
+    return FitRequest(model=model, gpu=gpu_name, rungs=rungs, ac=args.ac, micro_batch=args.micro_batch,
+                      strategy=args.strategy, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                       global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
                       optimizer=(args.optimizer or "adamw").strip().lower(), engines=engines, device="cpu" if args.cpu else "cuda",
                       host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)

@@ -14,6 +14,7 @@ from shardfit.estimate.estimator import estimate
 from shardfit.estimate.selective import selective_available
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.host import assumption_note, needs_text, over_assumed
+from shardfit.fit.pins import pin_ac, pin_error, pin_micro_batch, pin_strategy, pinned
 from shardfit.fit.rungs import RUNG_NAMES, rung_note, rungs_for
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
@@ -48,6 +49,10 @@ class FitRequest:
     device_profile: GPU | None = None  # calibrated rates (--device-profile); memory and plans still name `gpu`
     # State rungs (fit/rungs.py) fit may climb before offload; the CLI drops one whose knob is pinned.
     rungs: tuple[str, ...] = RUNG_NAMES
+    # Pinned knobs (fit/pins.py): fit searches only the rest.
+    ac: str | None = None  # activation checkpointing: none, selective, full, every-N
+    micro_batch: int | None = None
+    strategy: str | None = None  # a strategy label, as `plan --strategy` takes it
 
     @property
     def world_size(self) -> int:
@@ -293,6 +298,9 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     if not all_families:
         raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search on {world} GPU(s): use "
                             "ddp, deepspeed or fsdp (single is for one GPU)")
+    ac_options = pin_ac(request, ac_options, selective_available(request.model))
+    micro_options = pin_micro_batch(request, micro_options, per_rank)
+    all_families = pin_strategy(request, all_families)
 
     def make_for(fam: Family, ac: str, buckets: str):
         return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
@@ -353,7 +361,12 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]
     suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling))
     largest = largest_term(estimate(best.plan, device=request.device, explain=True)) if best and estimate_fn is None else None
-    return FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
-                     alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
-                     suggestions=suggestions, estimates=search.calls, smallest=smallest,
-                     largest_term=largest)
+    result = FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
+                       alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
+                       suggestions=suggestions, estimates=search.calls, smallest=smallest,
+                       largest_term=largest)
+    if best is None and pinned(request):
+        error = pin_error(request, result, lambda other: fit(other, estimate_fn))
+        if error is not None:
+            raise error
+    return result
