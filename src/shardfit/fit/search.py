@@ -349,8 +349,9 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         notes.append(rung_note(rung, best.family, before - best.peak_bytes, before, best.peak_bytes, fmt_bytes))
     if best is not None and separate_embedding_units(best.plan.strategy, best.plan.model):
         root = search.peak(best.plan.with_changes(strategy={"embedding_units": "root"}))
-        notes.append(f"fsdp2 wraps the embedding and head as units of their own (torchtitan): "
-                     f"{fmt_bytes(root - best.peak_bytes)} per GPU less than keeping them in the root unit")
+        if root > best.peak_bytes:  # not when the peak is elsewhere (the optimizer step)
+            notes.append(f"fsdp2 wraps the embedding and head as units of their own (torchtitan): "
+                         f"{fmt_bytes(root - best.peak_bytes)} per GPU less than keeping them in the root unit")
     if best is not None:
         warnings = validate_plan(best.plan)
         notes += [f"note: {w}" for w in warnings]

@@ -25,10 +25,10 @@ def _lean_strategies(request) -> list[tuple[str, Strategy]]:
         out += [("zero3", Strategy(kind="zero3")),
                 ("zero3+offload", Strategy(kind="zero3", offload_optimizer="cpu", offload_params="cpu"))]
     if "fsdp" in request.engines:
-        # FSDP1 after FSDP2 at each level: what 8-bit AdamW runs on (bitsandbytes rejects FSDP2's DTensors).
-        out += [("fsdp2", Strategy(kind="fsdp2")), ("fsdp:full_shard", Strategy(kind="fsdp")),
-                ("fsdp:full_shard+offload", Strategy(kind="fsdp", offload_params="cpu")),
-                ("fsdp2+offload", Strategy(kind="fsdp2", offload_params="cpu"))]
+        out += [("fsdp2", Strategy(kind="fsdp2")), ("fsdp2+offload", Strategy(kind="fsdp2", offload_params="cpu")),
+                # FSDP1 last: what 8-bit AdamW runs on (bitsandbytes rejects FSDP2's DTensors).
+                ("fsdp:full_shard", Strategy(kind="fsdp")),
+                ("fsdp:full_shard+offload", Strategy(kind="fsdp", offload_params="cpu"))]
     return out
 
 
@@ -84,7 +84,7 @@ class _Levers:
 
 def suggest(search, base, request, precision, loss_scaling) -> list[str]:
     levers = _Levers(search, base, request, precision, loss_scaling)
-    lean = levers.strategies[-1][0] if levers.strategies else "offload"
+    lean = next((label for label, strategy in reversed(levers.strategies) if strategy.kind != "fsdp"), "offload")
     out = [f"nothing fits in {fmt_bytes(search.usable)} per GPU, even {lean} with micro-batch 1 and full "
            "activation checkpointing"]
     model = base.model
