@@ -70,7 +70,7 @@ def test_a_pinned_knob_is_not_climbed(capsys):
     # --optimizer given: no 8-bit rung (pure bf16 may still be climbed); --precision given: no pure-bf16 rung.
     assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--json"]) == 0
     free = json.loads(capsys.readouterr().out)
-    assert free["plan"]["training"]["optimizer"] == "adamw8bit"
+    assert free["plan"]["training"]["optimizer"] == "adamw8bit" and free["best"]["rung"] == "8-bit AdamW"
     assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--optimizer", "adamw",
                  "--precision", "bf16", "--json"]) == 0
     pinned = json.loads(capsys.readouterr().out)

@@ -62,7 +62,8 @@ def _candidate(c, world, gpu) -> dict:
     t = c.time
     return {"family": c.family, "strategy": c.plan.strategy.label, "micro_batch": c.plan.training.micro_batch,
             "grad_accum": c.plan.training.grad_accum, "activation_checkpointing": c.plan.training.activation_checkpointing,
-            "precision": c.plan.training.precision, "peak_bytes": c.peak_bytes,
+            "precision": c.plan.training.precision, "optimizer": c.plan.training.optimizer, "rung": c.rung or None,
+            "peak_bytes": c.peak_bytes,
             "host_bytes_per_node": c.host_bytes, "nvme_bytes_per_node": c.nvme_bytes,
             "step_s": round(t.total_s, 6), "compute_s": round(t.compute_s, 6), "comm_s": round(t.comm_s, 6),
             "exposed_comm_s": round(t.exposed_comm_s, 6), "offload_s": round(t.offload_s, 6),

@@ -19,8 +19,8 @@ from shardfit.fit.rungs import RUNG_NAMES, rung_note, rungs_for
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
 from shardfit.measure.report import fmt_bytes
-from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.fsdp_units import separate_embedding_units
+from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import LoRA, Plan, validate_plan
 
