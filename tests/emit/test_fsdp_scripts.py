@@ -36,6 +36,7 @@ def test_fsdp2_hybrid_script_trains_and_replicas_agree(tmp_path):
     plan = _plan("fsdp2", nodes=2, gpus=1, precision="bf16", ac="every-2", shard_group_size=1)
     text, losses, checksums = _run(tmp_path, plan, "fsdp2")
     assert "fully_shard(block" in text and text.index("fully_shard(model") < text.index("torch.optim.AdamW")
+    assert "EMBEDDING_UNITS = True" in text and "fully_shard(embedding" in text  # tiny-llama: untied
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
     assert set(checksums) == {0, 1} and checksums[0] == pytest.approx(checksums[1], rel=1e-6, abs=1e-6)
 

@@ -19,7 +19,9 @@ def test_table_has_every_strategy_and_category():
     ddp = next(line for line in out.splitlines() if line.startswith("ddp "))
     assert " NO " in ddp  # 16 B/param of an 8B model cannot fit in 80 GB
     fsdp = next(line for line in out.splitlines() if line.startswith("fsdp2 "))
-    assert " yes " in fsdp and "backward / " in fsdp
+    # Without checkpointing the peak is at the loss (forward) or backward's start: with the embedding and head
+    # in units of their own (fsdp2's default) backward no longer holds them gathered, and forward wins.
+    assert " yes " in fsdp and ("backward / " in fsdp or "forward / " in fsdp)
 
 
 def test_json_schema():

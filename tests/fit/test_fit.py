@@ -96,15 +96,16 @@ def test_lora_makes_a_big_model_cheaper():
 
 
 def test_nothing_fits_says_what_would():
-    # FSDP only, and a host too small for offload: 70B doesn't fit on one node of H100s.
+    # FSDP only, full-precision states (no state rungs) and a host too small for offload: 70B doesn't fit on
+    # one node of H100s.
     result = fit(FitRequest(model=load_model_spec("llama-3.1-70b"), gpu="H100-80GB", gpus_per_node=8, seq_len=4096,
-                            global_batch=64, engines=("fsdp",), host_memory_gib=64))
+                            global_batch=64, engines=("fsdp",), host_memory_gib=64, rungs=()))
     assert result.best is None and not result.alternatives
     text = "\n".join(result.suggestions)
     assert "nothing fits" in result.suggestions[0]
     assert "more GPUs: --gpus 32 --nodes 4 (4 nodes x 8) with fsdp2 needs" in text
     assert "LoRA: --lora-r 16" in text and "QLoRA: --lora-r 16 --lora-base nf4" in text
-    assert "8-bit optimizer: --optimizer adamw8bit" in text
+    assert "8-bit AdamW: --optimizer adamw8bit" in text
     assert all("host RAM" in s for s in result.suggestions[1:])
     assert "zero3" not in text  # suggestions stay within the engines asked for
     assert all(r.reason.startswith("does not fit") for r in result.rejected)
@@ -170,8 +171,8 @@ def test_single_is_never_a_candidate_beyond_one_gpu():
     assert "single" not in {c.family for c in result.alternatives} | {r.family for r in result.rejected}
     with pytest.raises(ShardfitError, match="single is for one GPU"):
         fit(FitRequest(model=model, gpus_per_node=8, seq_len=2048, engines=("single",)))
-    # Full fine-tuning of 7B does not fit one H100 without offload: single says why.
-    big = fit(FitRequest(model=load_model_spec("llama-2-7b"), gpus_per_node=1, seq_len=2048))
+    # Full fine-tuning of 7B with full-precision states does not fit one H100 without offload: single says why.
+    big = fit(FitRequest(model=load_model_spec("llama-2-7b"), gpus_per_node=1, seq_len=2048, rungs=()))
     assert "offload" in big.best.family
     assert next(r.reason for r in big.rejected if r.family == "single").startswith("does not fit")
 

@@ -82,8 +82,8 @@ def test_every_suggestion_states_host_ram_and_lora_and_8bit_are_offered():
     levers = result.suggestions[1:]
     assert all("host RAM" in s for s in levers), levers
     by_lever = {s.split(":")[0]: s for s in levers}
-    assert {"LoRA", "QLoRA", "8-bit optimizer", "shorter sequence"} <= set(by_lever)
-    assert "--optimizer adamw8bit" in by_lever["8-bit optimizer"] and "GiB per GPU" in by_lever["8-bit optimizer"]
+    assert {"LoRA", "QLoRA", "8-bit AdamW", "shorter sequence"} <= set(by_lever)
+    assert "--optimizer adamw8bit" in by_lever["8-bit AdamW"] and "GiB per GPU" in by_lever["8-bit AdamW"]
     # The case: the shorter sequence fits the GPU only with terabytes of host RAM: flagged.
     assert "--seq 512" in by_lever["shorter sequence"] and "ABOVE the 64 GiB assumed" in by_lever["shorter sequence"]
     assert any("host RAM assumed 64 GiB per node" in n for n in result.notes)

@@ -64,6 +64,7 @@ BAD = [
     ({"strategy": {"kind": "zero2", "offload_params": "cpu", "offload_optimizer": "cpu"}}, "needs zero3"),
     ({"strategy": {"kind": "fsdp2", "offload_optimizer": "cpu"}}, "offload_params"),
     ({"strategy": {"kind": "zero3"}, "training": {"precision": "bf16-pure"}}, "fp32 master"),
+    ({"strategy": {"kind": "fsdp2"}, "training": {"optimizer": "adamw8bit"}}, "DTensor"),
     ({"training": {"precision": "bf16"}, "cluster": {"gpu": "V100-32GB"}}, "no bf16"),
     ({"training": {"micro_batch": 0}}, "micro_batch"),
     ({"training": {"micro_batch": "two"}}, "must be a number"),

@@ -10,6 +10,7 @@ from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_fr
 from shardfit.errors import ShardfitError
 from shardfit.fit import fit, FitRequest
 from shardfit.fit.report import format_text, to_json
+from shardfit.fit.rungs import RUNG_NAMES
 from shardfit.measure.verify import verify
 from shardfit.spec.device_profile import load_profile
 from shardfit.spec.gpus import get_gpu, split_gpus
@@ -29,10 +30,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--global-batch", type=int, dest="global_batch",
                         help="sequences per optimizer step, kept fixed (default 4 per GPU)")
     add_lora_arguments(parser)
+    parser.add_argument("--ac", default=None,
+                        help="pin activation checkpointing (none, selective, full, every-N); fit searches the rest")
+    parser.add_argument("--micro-batch", type=int, default=None, dest="micro_batch",
+                        help="pin the micro-batch (a divisor of the sequences per GPU); accumulation makes up the rest")
+    parser.add_argument("--strategy", default=None,
+                        help="pin the strategy (a label `plan --strategy` takes: fsdp2, zero3+offload, ...)")
     parser.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
-                        help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling)")
-    parser.add_argument("--optimizer", default="adamw", help="adamw, adamw8bit, sgd, lion, adafactor")
+                        help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling; "
+                             "pure bf16 is tried before offload when nothing else fits)")
+    parser.add_argument("--optimizer", default=None,
+                        help="adamw, adamw8bit, sgd, lion, adafactor (default adamw; 8-bit AdamW is tried before "
+                             "offload when nothing else fits; giving --optimizer pins it)")
     add_kernel_arguments(parser, fit=True)
     parser.add_argument("--engine", default="single,ddp,deepspeed,fsdp",
                         help="comma list of engines to search: single (one GPU only), ddp, deepspeed, fsdp (default all)")
@@ -78,9 +88,13 @@ def request_from_args(args):
         if args.gpu is None:
             gpu_name = f"custom:{profiled.memory_gib:g}"
     kernels = kernel_changes(args)
-    return FitRequest(**kernels, model=model, gpu=gpu_name, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
+    # A knob given on the command line is pinned: its state rung (fit/rungs.py) is not climbed.
+    rungs = tuple(r for r in RUNG_NAMES if not (r == "adamw8bit" and args.optimizer is not None)
+                  and not (r == "bf16-pure" and args.precision is not None))
+    return FitRequest(**kernels, model=model, gpu=gpu_name, rungs=rungs, ac=args.ac, micro_batch=args.micro_batch,
+                      strategy=args.strategy, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                       global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
-                      optimizer=args.optimizer, engines=engines, device="cpu" if args.cpu else "cuda",
+                      optimizer=(args.optimizer or "adamw").strip().lower(), engines=engines, device="cpu" if args.cpu else "cuda",
                       host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)
 
 

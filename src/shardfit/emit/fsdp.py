@@ -11,7 +11,9 @@ import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
 from shardfit.emit.kernels import script_fields
+from shardfit.emit.optimizer_code import optimizer_code
 from shardfit.errors import ShardfitError
+from shardfit.spec.fsdp_units import separate_embedding_units
 from shardfit.spec.plan import Plan
 
 _DTYPES = {"bf16": "torch.bfloat16", "bf16-pure": "torch.bfloat16", "fp16": "torch.float16", "fp32": None}
@@ -35,6 +37,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     AC_EVERY = {ac_every}  # checkpoint every N-th block; 0 = off
     SHARD_GROUP = {group}  # ranks per shard group (hybrid sharding across nodes); None = all ranks
     COMPUTE_DTYPE = {dtype}  # None = fp32
+    PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
     LORA = {lora}
     MODEL_CONFIG = {config}
 
@@ -53,6 +56,9 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
 
 _FSDP2 = '''
 
+    EMBEDDING_UNITS = {separate}  # the embedding and head as FSDP units of their own (torchtitan wrapping)
+
+
     def shard(model, device, world):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -61,12 +67,20 @@ _FSDP2 = '''
         else:
             mesh = init_device_mesh(device.type, (world,))
         kwargs = {{"mesh": mesh, "reshard_after_forward": {reshard}}}
-        if COMPUTE_DTYPE is not None:
+        if COMPUTE_DTYPE is not None and not PURE_BF16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
         if {offload}:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        # The embedding and head as units of their own (torchtitan): the embedding resharded after its forward,
+        # the head kept gathered until its backward. A tied head shares the embedding's weight: it stays in the root.
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        separate = EMBEDDING_UNITS and head is not None and embedding.weight is not head.weight
+        if separate:
+            fully_shard(embedding, **kwargs)
         for block in [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]:
             fully_shard(block, **kwargs)
+        if separate:
+            fully_shard(head, **{{**kwargs, "reshard_after_forward": False}})
         fully_shard(model, **kwargs)
         return model
 
@@ -86,7 +100,7 @@ _FSDP1 = '''
         if SHARD_GROUP and SHARD_GROUP < world:
             from torch.distributed.device_mesh import init_device_mesh
             kwargs["device_mesh"] = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP))
-        if COMPUTE_DTYPE is not None:
+        if COMPUTE_DTYPE is not None and not PURE_BF16:
             kwargs["mixed_precision"] = MixedPrecision(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32,
                                                        buffer_dtype=COMPUTE_DTYPE)
         return FSDP(model, auto_wrap_policy=ModuleWrapPolicy(block_types),
@@ -119,11 +133,12 @@ _MAIN = '''
         {head_setup}
         if AC_EVERY:
             apply_activation_checkpointing(model)
+        if PURE_BF16:
+            model = model.to(torch.bfloat16)
         model = shard(model, device, world)
         # The optimizer comes after sharding so it holds the sharded parameters.
         {optimizer_note}
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                                      betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY{optimizer_kwargs})
+        {optimizer}
         scaler = None
         if COMPUTE_DTYPE == torch.float16:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -175,11 +190,12 @@ def fsdp_script(plan: Plan, version: int) -> str:
                   micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
                   steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
-                  ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision], lora=repr(lora),
+                  ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
+                  pure=t.precision == "bf16-pure", lora=repr(lora),
                   config=repr(config))
     if version == 2:
         body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
-                             offload=bool(s.offload_params))
+                             offload=bool(s.offload_params), separate=separate_embedding_units(s, plan.model))
     else:
         mode = s.sharding
         if group and group < c.world_size:
@@ -194,7 +210,8 @@ def fsdp_script(plan: Plan, version: int) -> str:
     # Templates are indented in this file (so no line here reads as a top-level import) and dedented here.
     kernels = script_fields(plan)
     header = textwrap.dedent(_HEADER).format(**fields, loss_code=kernels.pop("loss_code"))
-    return header + textwrap.dedent(body) + textwrap.dedent(_MAIN).format(**kernels)
+    return header + textwrap.dedent(body) + textwrap.dedent(_MAIN).format(
+        **kernels, optimizer=optimizer_code(plan, "[p for p in model.parameters() if p.requires_grad]"))
 
 
 def _check_kind(plan: Plan, version: int) -> list[str]:

@@ -10,6 +10,7 @@ import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
 from shardfit.emit.kernels import script_fields
+from shardfit.emit.optimizer_code import optimizer_code
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Plan
 
@@ -57,7 +58,7 @@ _SCRIPT = '''    """Single-device training script written by `shardfit emit --fo
         model = model.to(device)  # the whole model on the one device: nothing is sharded or replicated
         params = [p for p in model.parameters() if p.requires_grad]
         {optimizer_note}
-        optimizer = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY{optimizer_kwargs})
+        {optimizer}
         autocast_dtype = {{"bf16": torch.bfloat16, "fp16": torch.float16}}.get(PRECISION)
         scaler = torch.amp.GradScaler(device.type) if PRECISION == "fp16" else None  # fp16 needs loss scaling
         data = batches(MODEL_CONFIG.get("vocab_size", 32000), device)
@@ -97,7 +98,8 @@ def single_script(plan: Plan) -> str:
                   seq=t.seq_len, steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip,
                   seed=sched.seed, log_every=max(sched.log_every, 1),
                   block=plan.strategy.wrap_unit or block_class(plan.model), ac_every=ac_every(plan), model_functions=model_functions(plan),
-                  precision=t.precision, lora=repr(lora), config=repr(config), **script_fields(plan))
+                  precision=t.precision, lora=repr(lora), config=repr(config), **script_fields(plan),
+                  optimizer=optimizer_code(plan, "params"))
     # The template is indented in this file (so no line here reads as a top-level import) and dedented here.
     return textwrap.dedent(_SCRIPT).format(**fields)
 

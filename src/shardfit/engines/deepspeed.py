@@ -51,8 +51,11 @@ def setup(plan, model, ctx) -> base.Engine:
     if plan.schedule.nan_policy == "skip":
         raise ShardfitError("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop; "
                             "fp16 overflow steps are skipped by DeepSpeed's loss scaler anyway")
-    if t.optimizer != "adamw":
-        raise ShardfitError(f"optimizer '{t.optimizer}' is not supported with DeepSpeed in `shardfit train`: use adamw")
+    if t.optimizer not in ("adamw", "adamw8bit"):
+        # adamw8bit runs as a client optimizer over ZeRO's flat fp32 partitions (plain tensors, which
+        # bitsandbytes' kernels take); validate_plan rules it out under optimizer offload.
+        raise ShardfitError(f"optimizer '{t.optimizer}' is not supported with DeepSpeed in `shardfit train`: "
+                            "use adamw or adamw8bit")
     deepspeed.init_distributed(dist_backend=ctx.backend)
     model, _ = base.prepare_model(plan, model)
     config = ds_config(plan, ctx.world_size, ctx.device.type == "cuda")

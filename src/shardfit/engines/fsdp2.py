@@ -10,6 +10,23 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shardfit.engines import base, native
+from shardfit.errors import ShardfitError
+from shardfit.spec.fsdp_units import separate_embedding_units
+
+
+def embedding_units(plan, model):
+    """(token embedding, output head) modules to wrap as units of their own, or (None, None) to leave
+    them in the root. The model's own tie decides too: a head whose weight is the embedding's is one
+    parameter, which one unit must own."""
+    if not separate_embedding_units(plan.strategy, plan.model):
+        return None, None
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is None or head is None or embedding.weight is head.weight:
+        if plan.strategy.embedding_units == "separate":
+            raise ShardfitError(f"{plan.model.name}'s head is tied to its embedding (one weight): it cannot be two "
+                                "FSDP units; use strategy.embedding_units auto or root")
+        return None, None
+    return embedding, head
 
 
 def setup(plan, model, ctx) -> base.Engine:
@@ -26,9 +43,17 @@ def setup(plan, model, ctx) -> base.Engine:
     kwargs = {"mesh": mesh, "mp_policy": policy}
     if offload is not None:
         kwargs["offload_policy"] = offload
+    embedding, head = embedding_units(plan, model)
+    if embedding is not None:
+        # torchtitan's wrapping (spec/fsdp_units.py): the embedding resharded after its forward, the head kept
+        # gathered until its backward (which comes at once) and reduce-scattered right after it.
+        fully_shard(embedding, reshard_after_forward=s.reshard_after_forward, **kwargs)
     for block in [m for m in model.modules() if isinstance(m, blocks_cls)]:
         fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
-    # The root's parameters (embeddings, head) are needed right away by backward: keep them gathered.
+    if head is not None:
+        fully_shard(head, reshard_after_forward=False, **kwargs)
+    # The root's own parameters (the final norm; the embedding and head unless wrapped above) are needed
+    # right away by backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     params = base.trainable_params(model)
     optimizer = base.build_optimizer(plan, params)
@@ -69,6 +94,8 @@ def setup(plan, model, ctx) -> base.Engine:
         finally:
             model.set_reshard_after_forward(s.reshard_after_forward)
             model.set_reshard_after_forward(False, recurse=False)  # the root stays gathered, as in training
+            if head is not None:
+                head.set_reshard_after_forward(False)
             model.reshard()
             for module in model.modules():
                 if module is not model and hasattr(module, "reshard"):

@@ -45,14 +45,18 @@ class Profile:
 
 
 def activation_profile(model, regime: str, attention: str, lora, device: str = "cuda",
-                       frozen_linears_save: bool = False, seq: int = 0) -> Profile:
+                       frozen_linears_save: bool = False, seq: int = 0, adapters_half: bool = False) -> Profile:
     """frozen_linears_save: the frozen base linears keep their input anyway (DeepSpeed ZeRO-3 replaces
     F.linear with LinearFunctionForZeroStage3, whose setup_context saves input and weight whether or
     not the weight trains); hand-written families only. seq: a sequence longer than a derived model's
-    sliding window runs other code (derived.window_of)."""
+    sliding window runs other code (derived.window_of). adapters_half: the engine computes the adapters in
+    16-bit (FSDP2's MixedPrecisionPolicy gathers them in param_dtype; DeepSpeed's bf16/fp16 mode casts the
+    module), so peft's adapter path casts nothing to fp32 (estimator.adapters_in_half)."""
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     if key_lora is not None and frozen_linears_save and not model.derived:
         key_lora += ("linear-inputs-saved",)
+    if key_lora is not None and adapters_half and not model.derived:
+        key_lora += ("adapters-16bit",)
     if model.derived:
         return _derived_profile(model, regime, attention, key_lora, device, seq > (window_of(model) or seq))
     return _profile(model, regime, attention, key_lora, device)
@@ -132,6 +136,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     res = 2 if regime == "half" else 4  # residual stream
     trains = lora is None
     linears_save = trains or (lora is not None and "linear-inputs-saved" in lora[3:])
+    half_adapters = lora is not None and "adapters-16bit" in lora[3:]
     targets = set() if lora is None else set(lora[1])
     rank = 0 if lora is None else lora[0]
     # QLoRA: the frozen base linears are bitsandbytes layers (nf4 Linear4bit / int8 Linear8bitLt).
@@ -194,6 +199,11 @@ def _profile(model, regime, attention, lora, device) -> Profile:
                 # autocast casts it once per adapter (it caches weight casts only); A's output is 16-bit.
                 add(f"{label}.bf16_cast_for_lora_{name}", 2 * width)
                 add(f"{name}.lora_A_out", 2 * rank)
+            elif targeted and half_adapters:
+                # Source: peft lora Linear.forward _cast_input_dtype(x, lora_A.weight.dtype): a 16-bit adapter
+                # weight takes the 16-bit input as it is, saved once for every adapter that reads it.
+                shared = True
+                add(f"{name}.lora_A_out", dtype * rank)
             elif targeted:
                 if dtype == 4:
                     shared = True

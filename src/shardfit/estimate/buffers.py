@@ -11,12 +11,13 @@ from __future__ import annotations
 from shardfit.estimate import states as sts
 from shardfit.estimate.lora_sharding import largest_adapter
 from shardfit.estimate import temporaries as tmp
+from shardfit.spec.fsdp_units import separate_embedding_units
 
 
 class Buffers:
     """Temporaries (bytes per rank) at each moment, plus the grads some engines hold apart."""
     __slots__ = ("rest", "fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end", "opt", "ckpt",
-                 "head_grad", "end_grads", "grads_rest", "grads_early")
+                 "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late")
 
     def __init__(self, rest: int = 0, during: int | None = None):
         during = rest if during is None else during
@@ -25,6 +26,8 @@ class Buffers:
         self.opt = rest
         self.head_grad = self.end_grads = self.grads_rest = 0
         self.grads_early = None  # grads once backward reaches the blocks, when allocated all at once
+        # the head's grads beside grads_last / grads_full late in backward (None: head_grad, unsharded till the end)
+        self.head_grad_late = None
 
 
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
@@ -33,7 +36,9 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     Under LoRA (`lora_unit`: adapter elements per block) the frozen root reduces nothing, and FSDP2
     reduces only the adapters (estimate/lora_sharding.py)."""
     reshard = (s.sharding != "shard_grad_op") if kind == "fsdp" else s.reshard_after_forward
-    root_b = tmp.root_unit_bytes(root, gather_bytes)
+    units = embedding_unit_bytes(s, model, root, gather_bytes)
+    # With the embedding and head in units of their own the root keeps the final norm only.
+    root_b = tmp.root_unit_bytes(root - (2 * model.vocab_size * model.hidden_size if units else 0), gather_bytes)
     if kind == "fsdp" and s.sharding == "no_shard" and precision == "fp32":
         units_b = 0  # no gather, no low-precision copy: the full fp32 params are used in place
     elif reshard:
@@ -66,6 +71,8 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     b.last = root_b + one_unit  # nothing left to prefetch
     b.end = tmp.reduce_scatter_bytes(root_grads, shard, reduce_b, True)  # the root reshards, then reduces
     b.head_grad, b.end_grads = head_grad, end_extra
+    if units is not None:
+        _separate_units(b, units, root_b, one_unit, units_b, kept, st, model, lora_unit, shard, reduce_b, gather_bytes)
     if kind == "fsdp" and not s.offload_params:
         b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
     # The optimizer's largest tensor: FSDP2 shards every param; FSDP1 (use_orig_params) hands it views
@@ -89,6 +96,47 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
         rec("temporaries.fsdp_reduce_scatter", rs_b, "unit*reduce_bytes (copy-in) + unit/S*reduce_bytes",
             {"unit": unit, "S": shard, "reduce_bytes": reduce_b}, "FSDP reduce-scatter input and output")
     return b
+
+
+def embedding_unit_bytes(s, model, root: int, gather_bytes) -> tuple[int, int] | None:
+    """(embedding, head) gathered bytes when FSDP2 wraps them as units of their own (spec/fsdp_units.py),
+    else None."""
+    if not separate_embedding_units(s, model) or root < 2 * model.vocab_size * model.hidden_size:
+        return None
+    one = tmp.root_unit_bytes(model.vocab_size * model.hidden_size, gather_bytes)
+    return one, one
+
+
+def _separate_units(b: Buffers, units, root_b: int, one_unit: int, units_b: int, kept: int, st, model, lora_unit,
+                    shard, reduce_b: int, gather_bytes) -> None:
+    """The moments of an FSDP2 step whose embedding and head are units of their own (torchtitan).
+    Forward: the embedding is gathered for its own forward only; at the loss the head is gathered, with
+    its all-gather buffer held until the next all-gather (FSDP2 frees the previous unit's buffer then;
+    measured with reshard_after_forward on and off).
+    Backward: the head stays gathered until its backward, whose pre-backward prefetches the last block and
+    whose gradient is reduce-scattered at once
+    (its sharded grad joins the grads; no unsharded root grads live through backward); the embedding is
+    prefetched during the last block's backward and reduced at the end."""
+    embed_b, head_b = units
+    embed_kept = embed_b if kept else 0  # reshard_after_forward off: the embedding stays gathered too
+    b.fwd_block += embed_kept
+    b.fwd_loss = root_b + embed_kept + head_b + kept + head_b
+    # The last block is prefetched by the head's pre-backward, which runs after the loss's backward: while
+    # the loss's gradient buffers are live (backward's start) it is not gathered yet.
+    b.start = root_b + embed_kept + head_b + kept
+    b.inside += embed_kept
+    b.reduce += embed_kept
+    # Inside the last block's backward: that block and its all-gather buffer (freed only at the next unit's
+    # copy-out, the embedding's), and the embedding's all-gather, prefetched.
+    b.last = root_b + embed_b + units_b
+    frozen = lora_unit is not None  # LoRA: the embedding and head have no grads
+    elements = model.vocab_size * model.hidden_size
+    # The head's sharded grad, from its reduce-scatter on: beside the grads at rest inside the blocks, and
+    # already part of grads_last / grads_full after them.
+    b.head_grad = 0 if frozen else int(st.grads_full * elements / max(model.n_params, 1))
+    b.head_grad_late = 0
+    b.end_grads = 0 if frozen else tmp.unsharded_grad_bytes(elements, gather_bytes)
+    b.end = root_b + embed_b + (0 if frozen else tmp.reduce_scatter_bytes(elements, shard, reduce_b, True))
 
 
 def ddp_buffers(s, model, st, impl, optimizer, largest, rec) -> Buffers:

@@ -75,6 +75,15 @@ def precision_regime(precision: str, kind: str, lora) -> str:
     return "autocast"
 
 
+def adapters_in_half(kind: str, regime: str, lora) -> bool:
+    """Whether the engine hands peft 16-bit adapter weights at compute time: FSDP2's MixedPrecisionPolicy
+    gathers every parameter (the fp32 adapters too) in param_dtype, DeepSpeed's bf16/fp16 mode casts the
+    module. Then peft's adapter path saves no fp32 copy of its input (measured: tests/measure/
+    test_engine_matrix.py LoRA rows in bf16). A quantized base keeps bitsandbytes' own casts."""
+    return (lora is not None and regime == "half" and kind in ("fsdp2", "zero1", "zero2", "zero3")
+            and lora.base_dtype not in ("int8", "nf4"))
+
+
 def shard_degree(plan) -> int:
     """Ranks that share one copy of the sharded states."""
     s, c = plan.strategy, plan.cluster
@@ -113,6 +122,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     shard = shard_degree(plan)
     lora_key = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     trained, frozen_bytes, factored = _model_facts(model, lora_key)
+    if lora is not None and kind.startswith("zero") and precision in ("bf16", "fp16") and lora.base_dtype == "fp32":
+        # DeepSpeed's bf16 / fp16 mode casts the whole module, the frozen fp32 base too (measured: engine matrix).
+        frozen_bytes = sts.frozen_base_bytes(model, "bf16")
     if optimizer == "adamw8bit":
         factored = sts.eightbit_fraction(model, *(lora_key[:2] if lora_key else ()))
     terms: list | None = [] if explain else None
@@ -129,7 +141,8 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         # FSDP1 LoRA: the frozen base weights are views of a FlatParameter that requires grad, so autograd
         # saves what a full fine-tune saves (estimate/lora_sharding.py); a quantized base is not flattened with it.
         acts_lora = None if kind == "fsdp" and lora is not None and lora.base_dtype not in ("nf4", "int8") else lora
-        prof = act.activation_profile(model, regime, t.attention, acts_lora, device, kind == "zero3", seq=seq)
+        prof = act.activation_profile(model, regime, t.attention, acts_lora, device, kind == "zero3", seq=seq,
+                                      adapters_half=adapters_in_half(kind, regime, lora))
         every = _every(t.activation_checkpointing)
         n_ckpt = act.checkpointed_blocks(model.num_layers, every)
         kept = (sel.selective_kept(model, regime, t.attention, acts_lora, device)
@@ -215,7 +228,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
     unit = model.block_params or model.largest_layer_params or model.n_params
     root = model.non_block_params if model.block_params else 0
     largest = model.largest_layer_params or unit
-    if lora is not None and model.n_params and frozen_bytes:
+    # LoRA: FSDP gathers the frozen base in its stored dtype, unless MixedPrecision casts it to 16-bit
+    # (a float base under bf16 / fp16; bitsandbytes' packed uint8 is gathered as it is).
+    if lora is not None and model.n_params and frozen_bytes and (precision == "fp32" or lora.base_dtype in ("int8", "nf4")):
         gather_bytes = frozen_bytes / model.n_params
     lp = 4 if precision == "fp32" else 2
     host: dict[str, int] = {}
@@ -321,10 +336,11 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
             blocks_done = min(model.num_layers, -(-max(0, s.reduce_bucket_size - head) // model.block_params))
             acts_reduced = int(a_blocks * (1 - blocks_done / model.num_layers))
     head_grad = buf.head_grad
+    head_late = head_grad if buf.head_grad_late is None else buf.head_grad_late
     for cand in ((a_blocks + recompute, grads_persist + head_grad, buf.inside + bwd_work + wcopy),
                  (acts_reduced, grads_reduced + head_grad, buf.reduce + wcopy),
-                 (last_acts, grads_last + head_grad, buf.last + bwd_work),
-                 (0, grads_full + head_grad + buf.end_grads, buf.end)):
+                 (last_acts, grads_last + head_late, buf.last + bwd_work),
+                 (0, grads_full + head_late + buf.end_grads, buf.end)):
         if cand[0] + cand[1] + cand[2] > acts_b + grads_b + temps_b:
             acts_b, grads_b, temps_b = cand
     backward = {"params": params, "grads": grads_b, "optimizer": opt, "activations": acts_b, "temporaries": temps_b}

@@ -82,7 +82,8 @@ def explain_rejections(best, found, smallest, all_families, searched_tiers, sear
             continue
         if fam.tier not in searched_tiers:
             what = "offload" if fam.tier == 1 else "NVMe offload"
-            out.append(Rejection(family=fam.label, reason=f"not needed: {best.family} fits without {what}; "
+            rung = f" (with {best.rung})" if best.rung else ""
+            out.append(Rejection(family=fam.label, reason=f"not needed: {best.family} fits without {what}{rung}; "
                                  "offload is the last resort (host-link traffic every step)"))
         elif found.get(fam.label):
             out.append(Rejection(family=fam.label, reason=slower_reason(found[fam.label][0], best)))

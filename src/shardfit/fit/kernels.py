@@ -8,7 +8,7 @@ time, so it is chosen wherever the engine runs torch's AdamW.
 """
 from __future__ import annotations
 
-from shardfit.measure.report import fmt_bytes
+from shardfit.units import fmt_bytes
 from shardfit.spec.kernels import CHUNKED_UNSUPPORTED
 
 GIB = 1024**3

@@ -66,6 +66,7 @@ def _candidate(c, world, gpu) -> dict:
             "grad_accum": c.plan.training.grad_accum, "activation_checkpointing": c.plan.training.activation_checkpointing,
             "precision": c.plan.training.precision, "loss": c.plan.training.loss,
             "loss_chunks": c.plan.training.loss_chunks, "optimizer_impl": c.plan.training.optimizer_impl,
+            "optimizer": c.plan.training.optimizer, "rung": c.rung or None,
             "peak_bytes": c.peak_bytes,
             "host_bytes_per_node": c.host_bytes, "nvme_bytes_per_node": c.nvme_bytes,
             "step_s": round(t.total_s, 6), "compute_s": round(t.compute_s, 6), "comm_s": round(t.comm_s, 6),

@@ -18,6 +18,9 @@ from shardfit.fit.host import assumption_note, needs_text, over_assumed
 from shardfit.fit.kernels import chunked_rung, kernel_notes, loss_options, optimizer_impl_for, with_loss
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
+from shardfit.fit.pins import pin_ac, pin_error, pin_micro_batch, pin_strategy, pinned
+from shardfit.fit.rungs import RUNG_NAMES, rung_note, rungs_for
+from shardfit.spec.fsdp_units import separate_embedding_units
 from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS
 from shardfit.spec.model_spec import ModelSpec
@@ -50,6 +53,12 @@ class FitRequest:
     loss: str | None = None  # standard | chunked (--loss); None = fit tries chunked where it makes a plan fit
     loss_chunks: int = DEFAULT_LOSS_CHUNKS
     optimizer_impl: str | None = None  # auto | foreach | single | fused; None = fit chooses (fit/kernels.py)
+    # State rungs (fit/rungs.py) fit may climb before offload; the CLI drops one whose knob is pinned.
+    rungs: tuple[str, ...] = RUNG_NAMES
+    # Pinned knobs (fit/pins.py): fit searches only the rest.
+    ac: str | None = None  # activation checkpointing: none, selective, full, every-N
+    micro_batch: int | None = None
+    strategy: str | None = None  # a strategy label, as `plan --strategy` takes it
 
     @property
     def world_size(self) -> int:
@@ -65,12 +74,14 @@ class Candidate:
     order: int
     host_bytes: int = 0  # host RAM per node (offloaded states, pinned buffers)
     nvme_bytes: int = 0  # NVMe per node (ZeRO-Infinity)
+    rung: str = ""  # the state rung (fit/rungs.py) this plan needed, "" for full-precision states
 
     @property
     def label(self) -> str:
         t = self.plan.training
         loss = f" loss=chunked:{t.loss_chunks}" if t.loss == "chunked" else ""
-        return f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}{loss}"
+        text = f"{self.family} mb={t.micro_batch} accum={t.grad_accum} ac={t.activation_checkpointing}{loss}"
+        return text + (f" ({self.rung})" if self.rung else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,7 +178,7 @@ class _Search:
 
 
 def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, per_rank: int,
-               seq: int, precision: str, loss_scaling, request: FitRequest) -> Plan:
+               seq: int, precision: str, loss_scaling, request: FitRequest, rung_training: dict | None = None) -> Plan:
     strategy = family.strategy
     if strategy.is_deepspeed:
         changes = bucket_changes(buckets, base.model.hidden_size)
@@ -178,7 +189,11 @@ def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, pe
         training={"micro_batch": micro, "grad_accum": per_rank // micro, "seq_len": seq, "precision": precision,
                   "loss_scaling": loss_scaling, "activation_checkpointing": ac, "lora": request.lora,
                   "optimizer": request.optimizer, "optimizer_impl": optimizer_impl_for(request, strategy),
-                  "loss": request.loss or "standard", "loss_chunks": request.loss_chunks},
+                  "loss": request.loss or "standard", "loss_chunks": request.loss_chunks,
+                  # a state rung's optimizer has its own kernel: its implementation is "auto"
+                  **({"optimizer_impl": request.optimizer_impl or "auto"} if (rung_training or {}).get("optimizer")
+                     not in (None, "adamw", "sgd") else {}),
+                  **(rung_training or {})},
         cluster={"nodes": request.nodes, "gpus_per_node": request.gpus_per_node, "gpu": request.gpu,
                  "host_memory_gib": request.host_memory_gib})
 
@@ -241,6 +256,29 @@ def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_opt
     return _sorted(cands), (lean if not cands else None)
 
 
+def _climb_rungs(search: _Search, request: FitRequest, precision: str, loss_scaling, base: Plan, per_rank: int,
+                 all_families, ac_options, micro_options, found: dict):
+    """The first state rung (fit/rungs.py) under which a family without offload fits: its candidates go
+    into `found`; the rung is returned (None when none makes anything fit)."""
+    for rung in rungs_for(request, precision):
+        def make_for(fam: Family, ac: str, buckets: str, rung=rung):
+            return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
+                                            loss_scaling, request, rung.training)
+        hits = {}
+        for fam in (f for f in all_families if f.tier == 0):
+            try:
+                validate_plan(make_for(fam, "none", "default")(micro_options[0]))
+            except ShardfitError:
+                continue  # e.g. pure bf16 under DeepSpeed (it always keeps fp32 masters)
+            cands, _ = _search_family(search, fam, make_for, ac_options, micro_options)
+            if cands:
+                hits[fam.label] = [replace(c, rung=rung.name) for c in cands]
+        if hits:
+            found.update(hits)
+            return rung
+    return None
+
+
 def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     """The fastest plan predicted to fit with margin, alternatives, and why each family lost."""
     if not 0 <= request.margin < 1:
@@ -272,6 +310,9 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     if not all_families:
         raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search on {world} GPU(s): use "
                             "ddp, deepspeed or fsdp (single is for one GPU)")
+    ac_options = pin_ac(request, ac_options, selective_available(request.model))
+    micro_options = pin_micro_batch(request, micro_options, per_rank)
+    all_families = pin_strategy(request, all_families)
 
     def make_for(fam: Family, ac: str, buckets: str):
         return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
@@ -289,9 +330,16 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     found: dict[str, list[Candidate]] = {}
     smallest: dict[str, tuple[int, Plan]] = {}
     searched_tiers: set[int] = set()
+    rung = None
     for tier in (0, 1, 2):  # offload tiers only when the tier before found nothing
         if any(found.values()):
             break
+        if tier == 1:  # the state rungs come before offload
+            rung = _climb_rungs(search, request, precision, loss_scaling, base, per_rank, all_families,
+                                ac_options, micro_options, found)
+            if rung is not None:
+                searched_tiers.add(0)
+                break
         searched_tiers.add(tier)
         for fam in (f for f in all_families if f.tier == tier):
             found[fam.label], lean = _search_family(search, fam, make_for, ac_options, micro_options)
@@ -307,6 +355,15 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     # every plan within it: it is never the recommendation while one within it fits.
     ranked.sort(key=lambda c: over_assumed(c.host_bytes, request, search.gpu))
     best = ranked[0] if ranked else None
+    if best is not None and best.rung:
+        full = best.plan.with_changes(training={"optimizer": request.optimizer, "precision": precision})
+        before = search.peak(full)
+        notes.append(rung_note(rung, best.family, before - best.peak_bytes, before, best.peak_bytes, fmt_bytes))
+    if best is not None and separate_embedding_units(best.plan.strategy, best.plan.model):
+        root = search.peak(best.plan.with_changes(strategy={"embedding_units": "root"}))
+        if root > best.peak_bytes:  # not when the peak is elsewhere (the optimizer step)
+            notes.append(f"fsdp2 wraps the embedding and head as units of their own (torchtitan): "
+                         f"{fmt_bytes(root - best.peak_bytes)} per GPU less than keeping them in the root unit")
     if best is not None:
         warnings = validate_plan(best.plan)
         notes += [f"note: {w}" for w in warnings]
@@ -318,7 +375,12 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]
     suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling))
     largest = largest_term(estimate(best.plan, device=request.device, explain=True)) if best and estimate_fn is None else None
-    return FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
-                     alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
-                     suggestions=suggestions, estimates=search.calls, smallest=smallest,
-                     largest_term=largest)
+    result = FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
+                       alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
+                       suggestions=suggestions, estimates=search.calls, smallest=smallest,
+                       largest_term=largest)
+    if best is None and pinned(request):
+        error = pin_error(request, result, lambda other: fit(other, estimate_fn))
+        if error is not None:
+            raise error
+    return result

@@ -1,7 +1,8 @@
 """When nothing fits: the first-line fixes the field reaches for, each with its numbers (memory per
 GPU and host RAM per node), whether or not it alone is enough.
 
-Order: LoRA, QLoRA, an 8-bit optimizer, a shorter sequence, more GPUs, a bigger GPU. Each lever is
+Order: LoRA, QLoRA, the state rungs (8-bit AdamW, pure bf16, both: fit/rungs.py, with their costs), a
+shorter sequence, more GPUs, a bigger GPU. Each lever is
 tried on the leanest plans of the engines asked for (full sharding, then with offload; micro-batch 1,
 full activation checkpointing), so a lever that does not make a plan fit says how far it still is.
 """
@@ -12,12 +13,10 @@ from dataclasses import replace
 from shardfit.errors import ShardfitError
 from shardfit.estimate.lora_targets import lora_for
 from shardfit.fit.host import needs_text
+from shardfit.fit.rungs import RUNG_NAMES, rungs_for
 from shardfit.spec.gpus import CATALOG, get_gpu
 from shardfit.spec.plan import Strategy, validate_plan
 from shardfit.units import fmt_bytes
-
-EIGHT_BIT_CAVEAT = ("bitsandbytes block-wise 8-bit states; usually tracks AdamW, watch the loss of the first "
-                    "hundred steps")
 
 
 def _lean_strategies(request) -> list[tuple[str, Strategy]]:
@@ -26,7 +25,10 @@ def _lean_strategies(request) -> list[tuple[str, Strategy]]:
         out += [("zero3", Strategy(kind="zero3")),
                 ("zero3+offload", Strategy(kind="zero3", offload_optimizer="cpu", offload_params="cpu"))]
     if "fsdp" in request.engines:
-        out += [("fsdp2", Strategy(kind="fsdp2")), ("fsdp2+offload", Strategy(kind="fsdp2", offload_params="cpu"))]
+        out += [("fsdp2", Strategy(kind="fsdp2")), ("fsdp2+offload", Strategy(kind="fsdp2", offload_params="cpu")),
+                # FSDP1 last: what 8-bit AdamW runs on (bitsandbytes rejects FSDP2's DTensors).
+                ("fsdp:full_shard", Strategy(kind="fsdp")),
+                ("fsdp:full_shard+offload", Strategy(kind="fsdp", offload_params="cpu"))]
     return out
 
 
@@ -34,7 +36,7 @@ def _lean_plan(base, request, precision, loss_scaling, strategy: Strategy, req):
     """The leanest plan of a strategy: micro-batch 1, full activation checkpointing."""
     return base.with_changes(
         strategy=strategy,
-        training={"micro_batch": 1, "grad_accum": 1, "seq_len": req.seq_len, "precision": precision,
+        training={"micro_batch": 1, "grad_accum": 1, "seq_len": req.seq_len, "precision": req.precision or precision,
                   "loss_scaling": loss_scaling, "activation_checkpointing": "full" if base.model.has_shape else "none",
                   "lora": req.lora, "optimizer": req.optimizer},
         cluster={"nodes": req.nodes, "gpus_per_node": req.gpus_per_node, "gpu": req.gpu,
@@ -82,7 +84,7 @@ class _Levers:
 
 def suggest(search, base, request, precision, loss_scaling) -> list[str]:
     levers = _Levers(search, base, request, precision, loss_scaling)
-    lean = levers.strategies[-1][0] if levers.strategies else "offload"
+    lean = next((label for label, strategy in reversed(levers.strategies) if strategy.kind != "fsdp"), "offload")
     out = [f"nothing fits in {fmt_bytes(search.usable)} per GPU, even {lean} with micro-batch 1 and full "
            "activation checkpointing"]
     model = base.model
@@ -98,10 +100,14 @@ def suggest(search, base, request, precision, loss_scaling) -> list[str]:
             row = levers.best(lora=lora)
             if row:
                 out.append(levers.line(lever, flags, row, f"adapts {','.join(lora.target_modules)}"))
-    if request.optimizer != "adamw8bit":
-        row = levers.best(optimizer="adamw8bit")
+    # Every rung the hardware allows, pinned or not: a suggestion says what would change.
+    for rung in rungs_for(replace(request, rungs=RUNG_NAMES, optimizer="adamw" if request.optimizer == "adamw8bit"
+                                  else request.optimizer, precision=None), precision):
+        if all(getattr(request, k) == v for k, v in rung.changes):
+            continue  # already asked for
+        row = levers.best(**rung.training)
         if row:
-            out.append(levers.line("8-bit optimizer", "--optimizer adamw8bit", row, EIGHT_BIT_CAVEAT))
+            out.append(levers.line(rung.name, rung.flags, row, f"cost: {rung.cost}"))
     if model.has_shape:
         seq, closest = request.seq_len // 2, None
         while seq >= 128:

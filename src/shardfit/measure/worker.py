@@ -119,6 +119,17 @@ def _timed_steps(engine, plan, ctx, vocab: int, first: int, count: int) -> list[
     return times
 
 
+def _reset_zero3_linear() -> None:
+    """Undo ZeRO-3's process-wide F.linear replacement before the next configuration. DeepSpeed swaps in
+    LinearFunctionForZeroStage3, which saves every linear's input, frozen or not, and says "This will persist
+    unless manually reset" (partition_parameters.py _enable_mem_efficient_linear): a ZeRO-2 LoRA run after a
+    ZeRO-3 one measured ZeRO-3's activations (1,541,128 B instead of 1,278,984 B on tiny-llama)."""
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(zero, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     configs_path, out_path = argv[0], argv[1]
@@ -137,6 +148,7 @@ def main(argv=None) -> int:
             if ctx.rank == 0:
                 print(result["traceback"], file=sys.stderr)
         results.append(result)
+        _reset_zero3_linear()
         if ctx.rank == 0:
             with open(out_path, "a") as handle:
                 handle.write(json.dumps(result) + "\n")

@@ -12,6 +12,7 @@ from shardfit.errors import ShardfitError
 from shardfit.spec.fields import build_section
 from shardfit.spec.gpus import get_gpu
 from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS, check_kernels
+from shardfit.spec.fsdp_units import EMBEDDING_UNITS, embedding_units_error
 from shardfit.spec.model_spec import ModelSpec
 
 # single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
@@ -54,6 +55,7 @@ class Strategy:
     backward_prefetch: str = "backward_pre"
     # Hybrid sharding: ranks per shard group (None = GPUs per node).
     shard_group_size: int | None = None
+    embedding_units: str = "auto"  # fsdp2: the embedding and head as units of their own (spec/fsdp_units.py)
 
     @property
     def label(self) -> str:
@@ -316,6 +318,9 @@ def validate_plan(plan: Plan) -> list[str]:
     one_of(s.offload_optimizer, OFFLOAD_DEVICES, "strategy.offload_optimizer")
     one_of(s.offload_params, OFFLOAD_DEVICES, "strategy.offload_params")
     one_of(s.backward_prefetch, BACKWARD_PREFETCH, "strategy.backward_prefetch")
+    one_of(s.embedding_units, EMBEDDING_UNITS, "strategy.embedding_units")
+    if error := embedding_units_error(plan):
+        bad(error)
     one_of(t.precision, PRECISIONS, "training.precision")
     one_of(t.optimizer, OPTIMIZERS, "training.optimizer")
     one_of(t.attention, ATTENTION, "training.attention")
@@ -365,6 +370,9 @@ def validate_plan(plan: Plan) -> list[str]:
             bad(f"{s.kind} offloads to CPU only: use cpu, or zero3 for NVMe offload")
     if s.is_deepspeed and t.precision == "bf16-pure":
         bad("DeepSpeed always keeps fp32 master weights: use precision bf16, or an FSDP strategy for pure bf16")
+    if s.kind == "fsdp2" and t.optimizer == "adamw8bit":  # "got mixed torch.Tensor and DTensor" (bnb #1633)
+        bad("bitsandbytes' 8-bit AdamW does not take FSDP2's DTensor parameters: use fsdp (FSDP1), zero1/2/3 or ddp "
+            "with adamw8bit, or adamw with fsdp2")
     if s.is_deepspeed and t.optimizer in ("adamw8bit", "adafactor") and s.offload_optimizer:
         bad(f"DeepSpeed optimizer offload runs its own CPU Adam: {t.optimizer} can't be offloaded; use adamw")
 
