@@ -34,6 +34,8 @@ class Setup:
     offload_optimizer: str | None = None
     offload_params: str | None = None
     full_state_dict: bool | None = None
+    optimizer: str | None = None  # shardfit's optimizer name (adamw, adamw8bit, ...) when a config names one
+    optimizer_impl: str | None = None  # fused | foreach | single, when the config's optimizer says
     # Facts a config leaves to "auto" (the HF Trainer fills them in at launch): resolved from doctor's
     # --precision / --micro-batch flags, or assumed and said so.
     auto: tuple[str, ...] = ()
@@ -72,6 +74,16 @@ def _is_auto(value) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
+# DeepSpeed optimizer.type / HF TrainingArguments.optim -> shardfit's optimizer (None: not one it sizes).
+_DS_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "fusedadam": "adamw", "cpuadam": "adamw", "lion": "lion",
+                  "sgd": "sgd"}
+_HF_OPTIMIZERS = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"), "adamw_hf": ("adamw", None),
+                  "adamw_apex_fused": ("adamw", "fused"), "adamw_bnb_8bit": ("adamw8bit", None),
+                  "adamw_8bit": ("adamw8bit", None), "paged_adamw_8bit": ("adamw8bit", None),
+                  "adafactor": ("adafactor", None), "sgd": ("sgd", None), "lion_32bit": ("lion", None),
+                  "lion_8bit": ("lion", None), "paged_lion_32bit": ("lion", None)}
+
+
 def from_deepspeed(d: dict) -> dict:
     zero = d.get("zero_optimization") or {}
     facts: dict = {"engine": "deepspeed", "zero_stage": _int(zero.get("stage", 0)),
@@ -100,6 +112,8 @@ def from_deepspeed(d: dict) -> dict:
         if value is not None:
             buckets.append((key, float(value)))
     facts["buckets"] = tuple(buckets)
+    optimizer = str((d.get("optimizer") or {}).get("type", "")).lower()
+    facts["optimizer"] = _DS_OPTIMIZERS.get(optimizer)
     facts["offload_optimizer"] = _device((zero.get("offload_optimizer") or {}).get("device"))
     facts["offload_params"] = _device((zero.get("offload_param") or {}).get("device"))
     if zero.get("stage3_gather_16bit_weights_on_model_save") or zero.get("gather_16bit_weights_on_model_save"):
@@ -169,6 +183,8 @@ def from_hf_args(d: dict) -> dict:
                    "precision": "bf16" if d.get("bf16") else "fp16" if d.get("fp16") else "fp32"}
     if facts["precision"] == "fp16":
         facts["loss_scaling"] = True  # Trainer scales fp16 losses itself
+    optim = str(d.get("optim") or "").lower().rpartition(".")[2]  # "OptimizerNames.ADAMW_TORCH" from repr
+    facts["optimizer"], facts["optimizer_impl"] = _HF_OPTIMIZERS.get(optim, (None, None))
     ac = d.get("activation_checkpointing", d.get("gradient_checkpointing"))
     facts["activation_checkpointing"] = bool(ac)
     fsdp, config = d.get("fsdp"), dict(d.get("fsdp_config") or {})
