@@ -60,7 +60,7 @@ def test_an_oom_in_a_trainer_is_diagnosed_and_the_named_fix_runs_to_the_end(tmp_
     assert result.returncode != 0
     err = result.stderr
     assert err.count("OUT OF MEMORY") == 1, err
-    assert "grew most in forward: activations" in err and "smallest fix in TrainingArguments: gradient_checkpointing=True" in err, err
+    assert "grew most in forward: activations" in err and "smallest fix in TrainingArguments: activation_checkpointing=True" in err, err
     assert "BudgetExceeded" not in err, err  # the diagnosis instead of a traceback
     assert sorted(p.name for p in (out / "shardfit-oom").iterdir()) == ["rank-0.json", "rank-1.json"]
     assert err.count("exitcode  : 3") == 2, err  # every rank exited with the OOM code, none hung

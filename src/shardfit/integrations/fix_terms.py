@@ -29,6 +29,19 @@ def _file_label(plan) -> str:
     return plan.strategy.label.replace(":", "-").replace("+", "-")
 
 
+def _trainer_ac_field() -> str:
+    """transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name warns)."""
+    try:
+        import dataclasses
+
+        from transformers import TrainingArguments
+
+        names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    except ImportError:
+        return "gradient_checkpointing"
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
 def trainer_arguments(changes: dict, changed_plan, out_dir) -> dict:
     """TrainingArguments fields for one change (what to pass instead of what was passed)."""
     args: dict = {}
@@ -38,8 +51,9 @@ def trainer_arguments(changes: dict, changed_plan, out_dir) -> dict:
     if "grad_accum" in training:
         args["gradient_accumulation_steps"] = training["grad_accum"]
     if "activation_checkpointing" in training:
-        args["gradient_checkpointing"] = training["activation_checkpointing"] != "none"
-        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+        name = _trainer_ac_field()
+        args[name] = training["activation_checkpointing"] != "none"
+        args[f"{name}_kwargs"] = {"use_reentrant": False}
     if "precision" in training:
         args["bf16"] = changed_plan.training.precision.startswith("bf16")
         args["fp16"] = changed_plan.training.precision == "fp16"
@@ -120,6 +134,5 @@ def format_arguments(framework: str, args: dict) -> str:
     """`per_device_train_batch_size=2, gradient_accumulation_steps=4` (TrainingArguments keywords) or
     `key: value` pairs for the others."""
     if framework == "transformers":
-        return ", ".join(f"{k}={v!r}" for k, v in args.items() if k != "gradient_checkpointing_kwargs"
-                         or not args.get("gradient_checkpointing"))
+        return ", ".join(f"{k}={v!r}" for k, v in args.items() if not k.endswith("checkpointing_kwargs"))
     return ", ".join(f"{k}={v}" if not isinstance(v, dict) else f"{k}(**{v})" for k, v in args.items())
