@@ -79,7 +79,8 @@ def lightning_arguments(changes: dict, changed_plan, out_dir) -> dict:
     if "grad_accum" in training:
         args["accumulate_grad_batches"] = training["grad_accum"]
     if "activation_checkpointing" in training:
-        args["model.gradient_checkpointing_enable"] = "(in configure_model)"
+        args["note"] = ("model.gradient_checkpointing_enable() in configure_model (a transformers model), or "
+                        "FSDPStrategy(activation_checkpointing_policy={Block})")
     if "precision" in training:
         args["precision"] = _LIGHTNING_PRECISION[changed_plan.training.precision]
     if "optimizer" in training:
@@ -106,7 +107,7 @@ def accelerate_arguments(changes: dict, changed_plan, out_dir) -> dict:
     if "grad_accum" in training:
         args["Accelerator.gradient_accumulation_steps"] = training["grad_accum"]
     if "activation_checkpointing" in training:
-        args["model.gradient_checkpointing_enable"] = {"use_reentrant": False}
+        args["note"] = "model.gradient_checkpointing_enable({'use_reentrant': False}) before accelerator.prepare"
     if "precision" in training:
         args["Accelerator.mixed_precision"] = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(
             changed_plan.training.precision, "no")
@@ -135,4 +136,5 @@ def format_arguments(framework: str, args: dict) -> str:
     `key: value` pairs for the others."""
     if framework == "transformers":
         return ", ".join(f"{k}={v!r}" for k, v in args.items() if not k.endswith("checkpointing_kwargs"))
-    return ", ".join(f"{k}={v}" if not isinstance(v, dict) else f"{k}(**{v})" for k, v in args.items())
+    # "note": free text; a key with a space is a command and its argument; the rest are keywords.
+    return ", ".join(str(v) if k == "note" else f"{k} {v}" if " " in k else f"{k}={v}" for k, v in args.items())

@@ -56,8 +56,11 @@ class MemorySession:
     (after the first forward: the sequence length is read from the batch)."""
 
     def __init__(self, *, framework: str, steps: int, out_dir, plan_fn, budget_bytes=None, enabled: bool | None = None,
-                 printer=None, optimizer_impl: str = "auto"):
+                 printer=None, optimizer_impl: str = "auto", adjust_prediction=None):
         self.framework = framework
+        # adjust_prediction(phases) -> (phases, notes): what the framework's loop adds to the plan's
+        # estimate (Lightning keeps the previous step's gradients through the forward).
+        self.adjust_prediction = adjust_prediction
         self.optimizer_impl = optimizer_impl
         self.steps = max(int(steps), 1)
         self.out_dir = Path(out_dir)
@@ -135,13 +138,18 @@ class MemorySession:
         plan, assumed = self.plan()
         est = estimate(plan, device=device, optimizer_impl=self.optimizer_impl)
         measured = gathered.phases
-        comparison = compare(measured, est.phases)
+        predicted = est.phases
+        if self.adjust_prediction is not None:
+            predicted, notes = self.adjust_prediction(predicted)
+            assumed = list(assumed) + list(notes)
+        comparison = compare(measured, predicted)
         limit = self._limit(device)
         peak = comparison.get("peak", {})
-        predicted_peak = est.device_peak_bytes if device == "cuda" else est.peak_bytes
+        overhead = est.overhead_bytes if device == "cuda" else 0
+        predicted_peak = max(sum(predicted[p].values()) for p in predicted) + overhead
         return {"framework": self.framework, "device": device, "world_size": len(gathered.ranks),
                 "steps_measured": self.steps, "strategy": plan.strategy.label, "plan": _plan_dict(plan),
-                "assumed": list(assumed), "measured": measured, "predicted": est.phases,
+                "assumed": list(assumed), "measured": measured, "predicted": predicted,
                 "comparison": comparison, "measured_peak_bytes": peak.get("measured", 0),
                 "predicted_peak_bytes": predicted_peak, "limit_bytes": limit,
                 "headroom_bytes": None if limit is None else limit - peak.get("measured", 0),
@@ -215,6 +223,8 @@ class MemorySession:
             plan, assumed = None, [f"no plan: {error}"]
         candidates = oom_candidates(plan) if plan is not None else None
         diagnosis = diagnose(report, plan, candidates)
+        if diagnosis is not None and plan is not None and self.adjust_prediction is not None:
+            diagnosis = self._adjusted(diagnosis, plan, candidates)
         record = diagnosis.to_dict() if diagnosis else {"rank": _rank()}
         record["fixes_in_terms"] = self._fix_terms(diagnosis, plan, candidates)
         record["framework"], record["assumed"] = self.framework, list(assumed)
@@ -229,6 +239,22 @@ class MemorySession:
             _atomic_write(self.out_dir / OOM_FILE, json.dumps(worst, indent=1) + "\n")
             print(self._oom_text(worst, len(records)), file=sys.stderr, flush=True)
         return record
+
+    def _adjusted(self, diagnosis, plan, candidates):
+        """The fixes' peaks with the framework's own terms added (see adjust_prediction)."""
+        from dataclasses import replace
+
+        from shardfit.estimate.estimator import estimate
+
+        def peak(p):
+            phases, _ = self.adjust_prediction(estimate(p, device="cpu").phases)
+            return max(sum(row.values()) for row in phases.values())
+
+        base, limit, by_label, fixes = peak(plan), diagnosis.limit_bytes, dict(candidates), []
+        for fix in diagnosis.fixes:
+            new = peak(plan.with_changes(**by_label[fix.change])) if fix.change in by_label else fix.peak_bytes
+            fixes.append(replace(fix, peak_bytes=new, delta_bytes=new - base, fits=limit is None or new <= limit))
+        return replace(diagnosis, fixes=tuple(sorted(fixes, key=lambda f: not f.fits)))
 
     def _fix_terms(self, diagnosis, plan, candidates) -> list[dict]:
         if diagnosis is None or plan is None:
