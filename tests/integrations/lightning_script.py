@@ -5,7 +5,7 @@
 STRATEGY: ddp | fsdp | deepspeed | a file `shardfit emit --format lightning` wrote (its `strategy`).
 """
 import json
-import runpy
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +21,9 @@ SEQ, MICRO = 64, 4
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=256, vocab=320):
+    def __init__(self, n=None, vocab=320):
+        # SHARDFIT_TEST_SAMPLES=8: one batch per rank, seen again each step (the loss must fall).
+        n = n or int(os.environ.get("SHARDFIT_TEST_SAMPLES", "256"))
         self.ids = torch.randint(0, vocab, (n, SEQ), generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
@@ -56,12 +58,25 @@ class Module(L.LightningModule):
         self._sharded = True
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=False)
+        return torch.optim.AdamW(self.parameters(), lr=getattr(self, "lr", 1e-3), foreach=False)
+
+
+def emitted_strategy(path: str):
+    """`strategy` from a file `shardfit emit --format lightning` wrote: every statement but the
+    L.Trainer(accelerator="gpu", ...) call, which this CPU script makes itself."""
+    import ast
+
+    tree = ast.parse(Path(path).read_text())
+    tree.body = [node for node in tree.body if not (isinstance(node, ast.Assign) and
+                                                     getattr(node.targets[0], "id", "") == "trainer")]
+    scope: dict = {}
+    exec(compile(tree, path, "exec"), scope)  # noqa: S102 - the test's own emitted file
+    return scope["strategy"]
 
 
 def strategy_of(name: str):
     if name.endswith(".py"):
-        return cpu_strategy(runpy.run_path(name)["strategy"])
+        return cpu_strategy(emitted_strategy(name))
     if name == "fsdp":
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -99,6 +114,8 @@ def main():
     out, name = sys.argv[1], sys.argv[2]
     tracked = int(sys.argv[3]) if len(sys.argv) > 3 else 2
     module = Module()
+    lr = float(os.environ.get("SHARDFIT_TEST_LR", "1e-3"))
+    module.lr = lr
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy_of(name), max_steps=4, precision="32-true",
                         default_root_dir=out, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[ShardfitCallback(steps=tracked)])

@@ -33,6 +33,13 @@ def trainer_plan(args, model, seq_len: int | None = None, world_size: int | None
     facts = from_hf_args(args.to_dict())
     known = {k: v for k, v in facts.items() if k in Setup.__dataclass_fields__ and v is not None}
     setup = Setup(**known)
+    running = _running_engine()
+    notes = []
+    if running == "ddp" and setup.engine in ("fsdp", "fsdp2", "deepspeed"):
+        # What runs is what is measured: accelerate on a CPU (use_cpu) silently drops FSDP / DeepSpeed.
+        notes.append(f"TrainingArguments ask for {setup.engine} but accelerate runs {running}: sized as it runs")
+        setup = Setup(**{**known, "engine": "ddp", "zero_stage": None, "offload_params": None,
+                         "offload_optimizer": None})
     gpu = None
     import torch
 
@@ -41,7 +48,23 @@ def trainer_plan(args, model, seq_len: int | None = None, world_size: int | None
     attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
     result = plan_from_setup(setup, spec_of_model(model), world_size=world_size or args.world_size,
                              gpu=gpu, seq_len=seq_len, attention=attention if attention in ("sdpa", "eager") else None)
-    return result.plan, result.assumed
+    return result.plan, tuple(notes) + result.assumed
+
+
+def _running_engine() -> str | None:
+    """The engine accelerate actually set up for this process (None: no Accelerator yet)."""
+    try:
+        from accelerate.state import AcceleratorState
+
+        if not AcceleratorState._shared_state:
+            return None
+        state = AcceleratorState()
+        kind = str(getattr(state.distributed_type, "value", state.distributed_type)).upper()
+    except Exception:  # noqa: BLE001 - no accelerate state: trust the arguments
+        return None
+    if kind == "FSDP":
+        return "fsdp2" if getattr(state.fsdp_plugin, "fsdp_version", 1) == 2 else "fsdp"
+    return {"DEEPSPEED": "deepspeed", "MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "NO": "single"}.get(kind)
 
 
 class ShardfitCallback(transformers.TrainerCallback):
