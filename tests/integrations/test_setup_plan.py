@@ -163,3 +163,13 @@ def test_fit_from_a_setup_says_how_the_setup_does_and_keeps_its_global_batch(tmp
     assert out.startswith("your setup: zero3, micro-batch 8 x accumulation 2, AC none, bf16:"), out
     assert "does NOT fit" in out.splitlines()[0] and "global batch 128 = " in out, out
     assert result.returncode == 0 and "best: " in out
+
+
+def test_a_relative_deepspeed_path_is_found_next_to_the_trainer_args(tmp_path, monkeypatch):
+    (tmp_path / "ds.json").write_text(json.dumps(HF_ZERO3_TEMPLATE))
+    (tmp_path / "args.json").write_text(json.dumps({"output_dir": "out", "per_device_train_batch_size": 2,
+                                                    "deepspeed": "ds.json"}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert plan_from_files([str(tmp_path / "args.json")], TINY, world_size=2).plan.strategy.label == "zero3"

@@ -77,3 +77,22 @@ def test_every_fix_is_a_valid_trainingarguments_change(tmp_path, model):
         assert fixed.training == changed.training, (label, args)
     assert {"per_device_train_batch_size", "gradient_accumulation_steps", "deepspeed", "optim"} <= seen
     assert {"activation_checkpointing", "gradient_checkpointing"} & seen
+
+
+@pytest.mark.parametrize("make, label", [
+    (lambda ls: ls.DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_parameters=True), "zero3+offload"),
+    (lambda ls: ls.DeepSpeedStrategy(stage=2), "zero2"),
+    (lambda ls: ls.FSDPStrategy(sharding_strategy="SHARD_GRAD_OP", cpu_offload=True), "fsdp:shard_grad_op+offload"),
+    (lambda ls: ls.FSDPStrategy(), "fsdp:full_shard"),
+    (lambda ls: ls.ModelParallelStrategy(), "fsdp2"),
+    (lambda ls: ls.DDPStrategy(), "ddp"),
+])
+def test_lightning_strategies_are_read_as_shardfit_strategies(make, label):
+    """The strategy objects Lightning users build (GPU-only ones included: built, not run)."""
+    from types import SimpleNamespace
+
+    ls = pytest.importorskip("lightning.pytorch.strategies")
+    from shardfit.integrations.lightning import lightning_strategy
+
+    strategy, _ = lightning_strategy(SimpleNamespace(strategy=make(ls), world_size=2))
+    assert strategy.label == label

@@ -177,7 +177,8 @@ def from_accelerate(d: dict, path: Path) -> dict:
     return facts
 
 
-def from_hf_args(d: dict) -> dict:
+def from_hf_args(d: dict, base: Path | None = None) -> dict:
+    """base: the folder of the arguments file (a relative `deepspeed` path is found there too)."""
     facts: dict = {"micro_batch": _int(d.get("per_device_train_batch_size")),
                    "grad_accum": _int(d.get("gradient_accumulation_steps")),
                    "precision": "bf16" if d.get("bf16") else "fp16" if d.get("fp16") else "fp32"}
@@ -191,7 +192,11 @@ def from_hf_args(d: dict) -> dict:
     config = {k[5:] if k.startswith("fsdp_") else k: v for k, v in config.items()}
     if d.get("deepspeed"):
         ds = d["deepspeed"]
-        ds = ds if isinstance(ds, dict) else _load(Path(ds))
+        if not isinstance(ds, dict):
+            file = Path(ds)
+            if not file.is_absolute() and not file.exists() and base is not None and (base / file).exists():
+                file = base / file
+            ds = _load(file)
         facts.update({k: v for k, v in from_deepspeed(ds).items() if v is not None and k != "precision"})
     elif fsdp:
         items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
@@ -289,7 +294,7 @@ def read_file(path: str | Path) -> tuple[str, dict]:
     if "zero_optimization" in data or "train_micro_batch_size_per_gpu" in data or "train_batch_size" in data:
         return "deepspeed", from_deepspeed(data)
     if "per_device_train_batch_size" in data or "output_dir" in data:
-        return "hf-trainer", from_hf_args(data)
+        return "hf-trainer", from_hf_args(data, path.parent)
     if "model_type" in data:
         return "model-config", {"use_cache": data.get("use_cache")}
     raise ShardfitError(f"{path}: can't tell what this is: expected DeepSpeed JSON (zero_optimization), Accelerate YAML "
