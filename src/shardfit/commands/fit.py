@@ -17,6 +17,7 @@ from shardfit.spec.gpus import get_gpu, split_gpus
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import Plan, Schedule
 from shardfit.spec.planfile import dump_plan
+from shardfit.commands.setup_flags import add_setup_arguments, plan_from_args
 from shardfit.spec.sizes import gib_type
 
 
@@ -36,6 +37,7 @@ def add_arguments(parser) -> None:
                         help="pin the micro-batch (a divisor of the sequences per GPU); accumulation makes up the rest")
     parser.add_argument("--strategy", default=None,
                         help="pin the strategy (a label `plan --strategy` takes: fsdp2, zero3+offload, ...)")
+    add_setup_arguments(parser)
     parser.add_argument("--margin", type=float, default=0.10, help="fraction of device memory kept free (default 0.10)")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "bf16-pure"),
                         help="force a precision (default: bf16 where the GPU supports it, else fp16 + loss scaling; "
@@ -100,6 +102,7 @@ def request_from_args(args):
 
 def run(args) -> int:
     request = request_from_args(args)
+    request, yours = _from_setup(args, request)
     result = fit(request)
     if request.device_profile is not None:
         from dataclasses import replace
@@ -122,6 +125,8 @@ def run(args) -> int:
             data["verify"] = checked.to_json(result)
         print(json.dumps(data, indent=2))
     else:
+        if yours is not None:
+            print(_setup_line(yours, request, result))
         print(format_text(result))
         if lora_asked(args):
             print(f"note: {lora_line(result.request.lora, args)}")
@@ -133,3 +138,41 @@ def run(args) -> int:
             print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}` "
                   f"or `shardfit train {args.output}`", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _from_setup(args, request):
+    """With --from-trainer-args / --from-accelerate-config / --deepspeed: the setup's world size, sequence,
+    global batch, precision and optimizer become the request's (a flag left at its default does not
+    override them); returns (request, the setup's plan or None)."""
+    from dataclasses import replace
+
+    from shardfit.spec.gpus import split_gpus
+
+    given_gpus = args.gpus if args.gpus != 8 or args.nodes else None
+    given_seq = args.seq if args.seq != 2048 else None
+    found = plan_from_args(args, request.model, world_size=given_gpus, nodes=args.nodes, gpu=request.gpu, seq_len=given_seq)
+    if found is None:
+        return request, None
+    plan = found.plan
+    nodes, per_node = split_gpus(plan.cluster.world_size, plan.cluster.nodes)
+    changes = {"nodes": nodes, "gpus_per_node": per_node, "seq_len": plan.training.seq_len,
+               "global_batch": args.global_batch or plan.global_batch}
+    if args.precision is None:
+        changes["precision"] = plan.training.precision
+    if args.optimizer == "adamw":
+        changes["optimizer"] = plan.training.optimizer
+    return replace(request, **changes), plan
+
+
+def _setup_line(plan, request, result) -> str:
+    """How the setup as given does, next to what fit found."""
+    from shardfit.estimate.estimator import estimate
+    from shardfit.measure.report import fmt_bytes
+
+    est = estimate(plan, device=request.device)
+    peak = est.device_peak_bytes if request.device == "cuda" else est.peak_bytes
+    t = plan.training
+    verdict = "fits" if peak <= result.usable_bytes else "does NOT fit"
+    return (f"your setup: {plan.strategy.label}, micro-batch {t.micro_batch} x accumulation {t.grad_accum}, "
+            f"AC {t.activation_checkpointing}, {t.precision}: {fmt_bytes(peak)} per GPU of "
+            f"{fmt_bytes(result.usable_bytes)} usable: {verdict} (global batch {plan.global_batch} kept below)\n")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from shardfit.commands.kernel_flags import add_kernel_arguments, kernel_changes
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
+from shardfit.commands.setup_flags import add_setup_arguments, plan_from_args, setup_paths
 from shardfit.errors import ShardfitError
 from shardfit.estimate import report
 from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, estimate, OPTIMIZER_IMPLS
@@ -44,6 +45,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ac", default=None, help="activation checkpointing: none | selective (per-op: matmul and attention outputs kept) | full | every-N")
     parser.add_argument("--attention", default=None, help="sdpa (flash, no s*s scores) | eager")
     add_lora_arguments(parser)
+    add_setup_arguments(parser)
     parser.add_argument("--offload", default=None, help="cpu | nvme: offload where each strategy can")
     parser.add_argument("--nvme-path", default=None, help="NVMe mount for --offload nvme")
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid shard group size (default GPUs per node)")
@@ -93,6 +95,10 @@ def build_plan(args):
         plan = Plan(model=load_model_spec(args.model))
     if args.largest_layer is not None and args.params is None:
         raise ShardfitError("--largest-layer only goes with --params")
+    from_setup = plan_from_args(args, plan.model, base=plan, world_size=args.gpus, nodes=args.nodes, gpu=args.gpu,
+                                seq_len=args.seq, micro_batch=args.micro_batch)
+    if from_setup is not None:
+        plan = from_setup.plan  # the setup's run; flags below still win
     t, c, s = plan.training, plan.cluster, plan.strategy
     changes = {k: v for k, v in (("precision", args.precision), ("optimizer", args.optimizer),
                                  ("micro_batch", args.micro_batch), ("seq_len", args.seq),
@@ -146,7 +152,7 @@ def strategies_for(args, plan):
         explicit = True
         if not names:
             raise ShardfitError("--strategy is empty: give one or more of single, ddp, fsdp, fsdp2, zero1, zero2, zero3 (comma-separated)")
-    elif args.model is not None and _is_plan_file(args.model):
+    elif (args.model is not None and _is_plan_file(args.model)) or setup_paths(args):
         strategy = _with_offload(base, args.offload, args.nvme_path)
         if args.nvme_path:
             strategy = replace(strategy, nvme_path=args.nvme_path)

@@ -35,6 +35,8 @@ class Setup:
     offload_optimizer: str | None = None
     offload_params: str | None = None
     full_state_dict: bool | None = None
+    optimizer: str | None = None  # shardfit's optimizer name (adamw, adamw8bit, ...) when a config names one
+    optimizer_impl: str | None = None  # fused | foreach | single, when the config's optimizer says
     # Facts a config leaves to "auto" (the HF Trainer fills them in at launch): resolved from doctor's
     # --precision / --micro-batch flags, or assumed and said so.
     auto: tuple[str, ...] = ()
@@ -73,6 +75,16 @@ def _is_auto(value) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
+# DeepSpeed optimizer.type / HF TrainingArguments.optim -> shardfit's optimizer (None: not one it sizes).
+_DS_OPTIMIZERS = {"adam": "adamw", "adamw": "adamw", "fusedadam": "adamw", "cpuadam": "adamw", "lion": "lion",
+                  "sgd": "sgd"}
+_HF_OPTIMIZERS = {"adamw_torch": ("adamw", None), "adamw_torch_fused": ("adamw", "fused"), "adamw_hf": ("adamw", None),
+                  "adamw_apex_fused": ("adamw", "fused"), "adamw_bnb_8bit": ("adamw8bit", None),
+                  "adamw_8bit": ("adamw8bit", None), "paged_adamw_8bit": ("adamw8bit", None),
+                  "adafactor": ("adafactor", None), "sgd": ("sgd", None), "lion_32bit": ("lion", None),
+                  "lion_8bit": ("lion", None), "paged_lion_32bit": ("lion", None)}
+
+
 def from_deepspeed(d: dict) -> dict:
     zero = d.get("zero_optimization") or {}
     facts: dict = {"engine": "deepspeed", "zero_stage": _int(zero.get("stage", 0)),
@@ -101,6 +113,8 @@ def from_deepspeed(d: dict) -> dict:
         if value is not None:
             buckets.append((key, float(value)))
     facts["buckets"] = tuple(buckets)
+    optimizer = str((d.get("optimizer") or {}).get("type", "")).lower()
+    facts["optimizer"] = _DS_OPTIMIZERS.get(optimizer)
     facts["offload_optimizer"] = _device((zero.get("offload_optimizer") or {}).get("device"))
     facts["offload_params"] = _device((zero.get("offload_param") or {}).get("device"))
     if zero.get("stage3_gather_16bit_weights_on_model_save") or zero.get("gather_16bit_weights_on_model_save"):
@@ -164,19 +178,26 @@ def from_accelerate(d: dict, path: Path) -> dict:
     return facts
 
 
-def from_hf_args(d: dict) -> dict:
+def from_hf_args(d: dict, base: Path | None = None) -> dict:
+    """base: the folder of the arguments file (a relative `deepspeed` path is found there too)."""
     facts: dict = {"micro_batch": _int(d.get("per_device_train_batch_size")),
                    "grad_accum": _int(d.get("gradient_accumulation_steps")),
                    "precision": "bf16" if d.get("bf16") else "fp16" if d.get("fp16") else "fp32"}
     if facts["precision"] == "fp16":
         facts["loss_scaling"] = True  # Trainer scales fp16 losses itself
+    optim = str(d.get("optim") or "").lower().rpartition(".")[2]  # "OptimizerNames.ADAMW_TORCH" from repr
+    facts["optimizer"], facts["optimizer_impl"] = _HF_OPTIMIZERS.get(optim, (None, None))
     ac = d.get("activation_checkpointing", d.get("gradient_checkpointing"))
     facts["activation_checkpointing"] = bool(ac)
     fsdp, config = d.get("fsdp"), dict(d.get("fsdp_config") or {})
     config = {k[5:] if k.startswith("fsdp_") else k: v for k, v in config.items()}
     if d.get("deepspeed"):
         ds = d["deepspeed"]
-        ds = ds if isinstance(ds, dict) else _load(Path(ds))
+        if not isinstance(ds, dict):
+            file = Path(ds)
+            if not file.is_absolute() and not file.exists() and base is not None and (base / file).exists():
+                file = base / file
+            ds = _load(file)
         facts.update({k: v for k, v in from_deepspeed(ds).items() if v is not None and k != "precision"})
     elif fsdp:
         items = fsdp.split() if isinstance(fsdp, str) else list(fsdp) if isinstance(fsdp, list) else []
@@ -272,7 +293,7 @@ def read_file(path: str | Path) -> tuple[str, dict]:
     if "zero_optimization" in data or "train_micro_batch_size_per_gpu" in data or "train_batch_size" in data:
         return "deepspeed", from_deepspeed(data)
     if "per_device_train_batch_size" in data or "output_dir" in data:
-        return "hf-trainer", from_hf_args(data)
+        return "hf-trainer", from_hf_args(data, path.parent)
     if "model_type" in data:
         return "model-config", {"use_cache": data.get("use_cache")}
     raise ShardfitError(f"{path}: can't tell what this is: expected DeepSpeed JSON (zero_optimization), Accelerate YAML "

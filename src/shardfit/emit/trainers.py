@@ -28,6 +28,11 @@ def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str
         "lr_scheduler_kwargs": {"min_lr_rate": sched.min_lr_ratio},
         "warmup_steps": sched.warmup_steps,
         "weight_decay": sched.weight_decay,
+        # The optimizer the DeepSpeed JSON names (emit/deepspeed.py): HF's DeepSpeed integration refuses
+        # a config whose betas / eps differ from these fields (found running the emitted pair).
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "adam_epsilon": 1e-8,
         "max_grad_norm": sched.grad_clip,
         "seed": sched.seed,
         "logging_steps": max(sched.log_every, 1),

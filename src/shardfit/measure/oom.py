@@ -145,7 +145,9 @@ def how_to_apply(changes: dict, changed_plan) -> tuple[str, str]:
     return " ".join(flags), ", ".join(fields)
 
 
-def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -> tuple[list[Fix], list[str]]:
+def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4,
+                  candidates=None) -> tuple[list[Fix], list[str]]:
+    """candidates: (label, changes) pairs to size instead of candidate_changes(plan)."""
     def peak(p):
         # On a CPU (a rehearsal under a budget) only tensor bytes exist: device="cpu" estimates no
         # CUDA context or NCCL, so its device peak is the tensor peak.
@@ -153,7 +155,7 @@ def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -
 
     base = peak(plan)
     fixes, notes = [], []
-    for label, changes in candidate_changes(plan):
+    for label, changes in candidate_changes(plan) if candidates is None else candidates:
         try:
             changed = plan.with_changes(**changes)
             validate_plan(changed)
@@ -171,8 +173,8 @@ def suggest_fixes(plan, limit_bytes: int, on_device: bool, max_fixes: int = 4) -
     return shown, notes
 
 
-def diagnose(report, plan=None) -> Diagnosis | None:
-    """report: a RankReport whose `oom` is set (or None -> None)."""
+def diagnose(report, plan=None, candidates=None) -> Diagnosis | None:
+    """report: a RankReport whose `oom` is set (or None -> None). candidates: see suggest_fixes."""
     oom = getattr(report, "oom", None)
     if not oom:
         return None
@@ -195,7 +197,7 @@ def diagnose(report, plan=None) -> Diagnosis | None:
     cause = _cause(oom["phase"], oom.get("step", 0), live, growing, strategy, cuda)
     fixes, notes = ([], ["no plan given: pass plan= to profile() for sized fixes"])
     if plan is not None and limit:
-        fixes, notes = suggest_fixes(plan, limit, on_device)
+        fixes, notes = suggest_fixes(plan, limit, on_device, candidates=candidates)
     return Diagnosis(phase=oom["phase"], step=oom.get("step", 0), rank=report.rank, dominant=dominant, growing=growing,
                      dominant_bytes=live[dominant], live=live, limit_bytes=limit, cause=cause, fixes=tuple(fixes),
                      notes=tuple(notes), snapshot=oom.get("snapshot"))
