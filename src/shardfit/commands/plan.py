@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
+from shardfit.commands.parallel_flags import add_parallel_arguments, parallelism_from_args
 from shardfit.errors import ShardfitError
 
 # single is listed only for a one-GPU cluster: everywhere else it is not a way to run the plan.
@@ -34,6 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ac", default=None, help="activation checkpointing: none | selective (per-op: matmul and attention outputs kept) | full | every-N")
     parser.add_argument("--attention", default=None, help="sdpa (flash, no s*s scores) | eager")
     add_lora_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--offload", default=None, help="cpu | nvme: offload where each strategy can")
     parser.add_argument("--nvme-path", default=None, help="NVMe mount for --offload nvme")
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid shard group size (default GPUs per node)")
@@ -105,7 +107,8 @@ def build_plan(args):
     c = _split_gpus(args, c)
     if args.shard_group_size is not None:
         s = replace(s, shard_group_size=args.shard_group_size)
-    return replace(plan, training=t, cluster=c, strategy=s)
+    return replace(plan, training=t, cluster=c, strategy=s,
+                   parallelism=parallelism_from_args(args, plan.parallelism))
 
 
 def _with_offload(strategy, offload: str | None, nvme_path: str | None):
