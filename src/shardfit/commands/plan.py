@@ -207,14 +207,22 @@ def run(args) -> int:
             times[strategy.label] = _step_seconds(candidate, profile)
     if not rows:
         raise no_valid_strategy(skipped)
+    from shardfit.estimate import parallel_report
+    layout_strategies = [s for s, _ in strategies_for(args, plan) if s.label in dict(rows)]
+    options = {"accounting": args.accounting, "device": args.device, "checkpoint": args.checkpoint,
+               "optimizer_impl": args.optimizer_impl}
     if args.json:
         doc = report.document(plan, gpu, rows, args.accounting, args.device, args.checkpoint, skipped,
                               with_terms=args.explain)
         if profile is not None:
             doc["step_time_s"] = {"device_profile": args.device_profile, **times}
+        if not plan.parallelism.is_default:
+            doc["parallelism"] = parallel_report.layout_document(plan, layout_strategies, estimate, options)
         sys.stdout.write(report.to_json(doc) + "\n")
         return 0
     print(report.table(plan, gpu, rows, args.accounting, args.device, skipped))
+    if not plan.parallelism.is_default:
+        print(parallel_report.layout_text(plan, layout_strategies, estimate, options, gpu.memory_gib))
     if lora_asked(args):
         print(f"note: {lora_line(plan.training.lora, args)}")
     if profile is not None:
