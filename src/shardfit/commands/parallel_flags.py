@@ -15,9 +15,9 @@ def add_parallel_arguments(parser) -> None:
     group.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (inside a node)")
     group.add_argument("--sp", action="store_true", default=None, dest="sp",
                        help="sequence parallel in the TP regions (needs --tp > 1)")
-    group.add_argument("--no-vocab-parallel", action="store_false", default=None, dest="vocab_parallel",
-                       help="the model's own transformers TP plan: replicated embedding, gathered logits "
-                            "(default: vocab-parallel embedding and loss, as Megatron and torchtitan)")
+    group.add_argument("--no-loss-parallel", action="store_false", default=None, dest="loss_parallel",
+                       help="gather the logits on every TP rank (the model's own transformers TP plan, what "
+                            "the engine runs) instead of a vocab-parallel loss (default, Megatron / torchtitan)")
     group.add_argument("--cp", type=int, default=None, help="context-parallel degree (ring attention over the sequence)")
     group.add_argument("--pp", type=int, default=None, help="pipeline stages")
     group.add_argument("--pp-schedule", default=None, help="gpipe | 1f1b (default) | interleaved")
@@ -36,8 +36,8 @@ def parallelism_from_args(args, current):
         changes["pp_schedule"] = changes["pp_schedule"].strip().lower()
     if getattr(args, "sp", None):
         changes["sequence_parallel"] = True
-    if getattr(args, "vocab_parallel", None) is False:
-        changes["vocab_parallel"] = False
+    if getattr(args, "loss_parallel", None) is False:
+        changes["loss_parallel"] = False
     if changes.get("pp_virtual_stages", 0) > 1 and "pp_schedule" not in changes:
         changes["pp_schedule"] = "interleaved"
     return replace(current, **changes)

@@ -3,7 +3,7 @@
 One rank of a tp x cp x pp layout trains a smaller model: its pipeline stage's layers, each linear a
 1/tp slice (transformers' `base_model_tp_plan`: q/k/v, gate/up colwise, o/down rowwise; norms
 replicated), the embedding on the first stage and the head on the last (vocab-parallel: V/tp rows
-each), over seq/cp tokens per sequence, with its states sharded over the dp_shard x cp ranks that
+each; the logits V/tp too under loss_parallel, gathered otherwise), over seq/cp tokens per sequence, with its states sharded over the dp_shard x cp ranks that
 hold the same slice (FSDP2 over torchtitan's dp_shard_cp mesh; Megatron's distributed optimizer
 over dp x cp). So each stage is estimated as that rank-local plan by the data-parallel estimator
 (the engine-calibrated activation profile keeps the replicated tensors at full width and slices the
@@ -49,7 +49,7 @@ def local_model(model: ModelSpec, layout: Layout, layers: int, first: bool, last
     untied_head = 0 if model.tie_embeddings else embedding
     other = max(0, model.non_block_params - embedding - untied_head - norm)  # position embeddings, ...
     shard_rows = _ceil_div(vocab, t) * h  # Megatron pads the vocabulary to a multiple of tp
-    emb_local = shard_rows if layout.vocab_parallel else embedding
+    emb_local = shard_rows
     non_block = 0
     if first:
         non_block += emb_local + other
@@ -57,10 +57,11 @@ def local_model(model: ModelSpec, layout: Layout, layers: int, first: bool, last
         non_block += norm
         # The head is colwise in both plans; tied, the last stage holds its own copy (Megatron) unless
         # the first stage is the same rank.
-        if not (model.tie_embeddings and first and layout.vocab_parallel):
+        if not (model.tie_embeddings and first):
             non_block += shard_rows
-    largest = max([o * i // t for _, i, o, n in block_linears(model)] + [non_block if (first or last) else 0, 1])
-    local_vocab = (_ceil_div(vocab, t) if layout.vocab_parallel else vocab) if last else 0
+    # The largest single tensor (single-tensor AdamW's scratch): a sliced linear or a vocab shard.
+    largest = max([o * i // t for _, i, o, n in block_linears(model)] + [shard_rows if (first or last) else 0, 1])
+    local_vocab = (_ceil_div(vocab, t) if layout.loss_parallel else vocab) if last else 0
     return replace(model, name=f"{model.name}[rank]", n_params=layers * block + non_block, num_layers=layers,
                    num_heads=model.num_heads // t, num_kv_heads=(model.num_kv_heads or model.num_heads) // t,
                    head_dim=model.head_dim or h // max(model.num_heads, 1),
@@ -108,6 +109,22 @@ def _paper_activations(plan, layout: Layout, layers: int, first: bool, last: boo
     return total
 
 
+def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, tokens: int, d: int, tp: int) -> dict:
+    """transformers' `colwise_gather_output` head: the forward peaks while the logits are gathered --
+    the local V/tp shard, DTensor's all-gather buffer and the full logits are live, the loss has not
+    saved its fp32 log_softmax or labels yet. The larger of that instant and the loss's."""
+    head = est.term("activations.head").inputs.get("tensors", {})
+    loss_saved = tokens * sum(per for label, per in head.items() if label.startswith("loss."))
+    at_loss = est.term("activations.blocks").bytes + est.term("activations.head").bytes
+    if forward["activations"] < at_loss - tokens * rank_model.hidden_size * 4:
+        return forward  # the peak is inside a block (checkpointing), not at the loss
+    vocab = rank_model.vocab_size
+    gather = {**forward, "activations": forward["activations"] - loss_saved,
+              "temporaries": forward["temporaries"] - est.term("temporaries.loss_inputs").bytes
+              + tokens * -(-vocab // tp) * d + tokens * vocab * d}
+    return gather if sum(gather.values()) > sum(forward.values()) else forward
+
+
 def _stage(plan, layout: Layout, estimate_fn, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
     model, t = plan.model, plan.training
     first, last = stage == 0, stage == layout.pp - 1
@@ -131,6 +148,11 @@ def _stage(plan, layout: Layout, estimate_fn, stage: int, layers: int, options: 
     # Ring attention: K and V chunks of s/cp tokens, the rank's own and the arriving one (double
     # buffer), and the fp32 partial output + log-sum-exp merged after every step.
     ring = (4 * b * s * kvd * d + b * s * (qd + model.num_heads // layout.tp) * 4) if layout.cp > 1 else 0
+    res = 4 if (t.precision == "fp32" or (plan.strategy.kind in ("ddp", "single") and t.precision != "bf16-pure")) else 2
+    # Measured (FSDP2 x TP, 4 CPU ranks): the embedding's all-reduced output (RowwiseParallel's
+    # Partial -> Replicate) is held by the functional collective's wrapper, which the tracker sees as
+    # a temporary although block 0 saves it.
+    embedding_out = b * s * model.hidden_size * res if first and layout.tp > 1 and not paper else 0
     phases = {}
     for name, cats in est.phases.items():
         cats = dict(cats)
@@ -139,13 +161,17 @@ def _stage(plan, layout: Layout, estimate_fn, stage: int, layers: int, options: 
                 cats["activations"] = int(per_micro * in_flight)
             else:
                 cats["activations"] = int(cats["activations"] * scale + per_micro * (in_flight - 1))
-            cats["temporaries"] += p2p + ring
+            moved = min(embedding_out, cats["activations"])
+            cats["activations"] -= moved
+            cats["temporaries"] += p2p + ring + moved
         phases[name] = cats
+    if last and layout.tp > 1 and not layout.loss_parallel and not paper:
+        phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp)
     notes = (f"layout {layout.describe()}: pipeline rank {stage} of {layout.pp} holds {layers} layers"
              f"{' + embedding' if first else ''}{' + head' if last else ''}, {in_flight:g} micro-batch(es) of "
              f"activations in flight ({layout.schedule if layout.pp > 1 else 'no pipeline'})",
              f"each linear 1/{layout.tp} (colwise q/k/v/gate/up, rowwise o/down), norms replicated; "
-             f"{'vocab-parallel embedding and loss' if layout.vocab_parallel else 'replicated embedding, gathered logits'}; "
+             f"vocab-parallel embedding, {'vocab-parallel loss' if layout.loss_parallel else 'gathered logits (colwise_gather_output)'}; "
              f"states sharded over dp_shard x cp = {layout.dp_shard * layout.cp} ranks",
              "not modelled: TP/CP/PP collectives' own buffers beyond the ring and p2p ones")
     extra = ()

@@ -34,9 +34,11 @@ class Parallelism:
     dp_shard: int = 0  # 0 = derived from the strategy
     tp: int = 1
     sequence_parallel: bool = False  # norms / dropout / residual sharded over the sequence in TP regions
-    # True: vocab-parallel embedding and loss (Megatron, torchtitan's loss_parallel); False: the model's
-    # own transformers TP plan (embedding replicated, lm_head colwise with the logits gathered).
-    vocab_parallel: bool = True
+    # The embedding is vocab-sharded either way (transformers' `embedding_rowwise`, Megatron's
+    # VocabParallelEmbedding). True: the logits stay vocab-sharded into a vocab-parallel cross-entropy
+    # (Megatron, torch's loss_parallel in torchtitan); False: the model's own transformers `_tp_plan`,
+    # whose lm_head is `colwise_gather_output` (every rank holds the full logits).
+    loss_parallel: bool = True
     cp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
@@ -67,7 +69,7 @@ class Layout:
     microbatches: int
     schedule: str
     sequence_parallel: bool
-    vocab_parallel: bool
+    loss_parallel: bool
 
     @property
     def dp(self) -> int:
@@ -111,7 +113,7 @@ def resolve(plan) -> Layout:
     return Layout(world=world, dp_replicate=max(1, dp // max(shard, 1)), dp_shard=max(shard, 1), tp=par.tp,
                   cp=par.cp, pp=par.pp, ep=par.ep, virtual=par.pp_virtual_stages,
                   microbatches=par.pp_microbatches or plan.training.grad_accum, schedule=par.pp_schedule,
-                  sequence_parallel=par.sequence_parallel, vocab_parallel=par.vocab_parallel)
+                  sequence_parallel=par.sequence_parallel, loss_parallel=par.loss_parallel)
 
 
 def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> tuple[int, ...]:
