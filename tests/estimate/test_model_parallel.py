@@ -158,8 +158,9 @@ def test_first_stage_parameters_match_megatron(name):
     l0, est = first_rank(plan)
     ours = local_model(plan.model, resolve(plan), l0, True, pp == 1).n_params
     megatron, megatron_bytes = megatron_weights_and_optimizer(h, layers, a, 4 * h, V, tp, pp, dp=1)
-    # Ours per layer: the weights / tp + every bias and norm replicated (13h); Megatron: (weights + 4h) / tp.
-    biases_and_norms = l0 * (13 * h - 4 * h / tp)
+    # Ours per layer: the weights and the colwise biases (c_attn 3h, c_fc 4h) / tp, the rowwise biases
+    # (2h) and the LayerNorms (4h) whole; Megatron: (weights + 4h) / tp.
+    biases_and_norms = l0 * (7 * h / tp + 6 * h - 4 * h / tp)
     final_norm = 2 * h / pp / tp  # Megatron spreads it over the stages; ours is on the last
     assert ours == pytest.approx(megatron + biases_and_norms + S * h - final_norm, rel=1e-12)
     # Bytes: Megatron keeps fp32 gradients (18 = 2 + 4 + 12 per parameter); the ZeRO paper's 16 has bf16 ones.

@@ -70,7 +70,23 @@ def apply(plan, model, ctx):
         raise ShardfitError(f"{type(model).__name__}'s TP plan uses '{unknown[0]}', which shardfit does not map yet "
                             f"(it maps {', '.join(styles)}): set parallelism.tp to 1")
     parallelize_module(model, mesh["tp"], {path: styles[style]() for path, style in wanted.items()})
+    _retie(model)
     return mesh["dp"]
+
+
+def _retie(model) -> None:
+    """parallelize_module gives the embedding and the head each a new DTensor parameter, which unties
+    tied embeddings (two copies, two gradients). Both are Shard(0) over the vocabulary on the tp
+    mesh (embedding_rowwise, colwise), so the head takes the embedding's parameter back."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or outputs.weight is inputs.weight:
+        return
+    if outputs.weight.placements != inputs.weight.placements or outputs.weight.shape != inputs.weight.shape:
+        raise ShardfitError(f"{type(model).__name__}: its tied embedding and head are sharded differently by its TP "
+                            "plan: set parallelism.tp to 1")
+    outputs.weight = inputs.weight
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
