@@ -9,6 +9,7 @@ from pathlib import Path
 from shardfit.commands.kernel_flags import add_kernel_arguments, kernel_changes
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
 from shardfit.commands.setup_flags import add_setup_arguments, plan_from_args, setup_paths
+from shardfit.commands.parallel_flags import add_parallel_arguments, parallelism_from_args
 from shardfit.errors import ShardfitError
 from shardfit.estimate import report
 from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, estimate, OPTIMIZER_IMPLS
@@ -46,6 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attention", default=None, help="sdpa (flash, no s*s scores) | eager")
     add_lora_arguments(parser)
     add_setup_arguments(parser)
+    add_parallel_arguments(parser)
     parser.add_argument("--offload", default=None, help="cpu | nvme: offload where each strategy can")
     parser.add_argument("--nvme-path", default=None, help="NVMe mount for --offload nvme")
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid shard group size (default GPUs per node)")
@@ -113,7 +115,8 @@ def build_plan(args):
     c = _split_gpus(args, c)
     if args.shard_group_size is not None:
         s = replace(s, shard_group_size=args.shard_group_size)
-    return replace(plan, training=t, cluster=c, strategy=s)
+    return replace(plan, training=t, cluster=c, strategy=s,
+                   parallelism=parallelism_from_args(args, plan.parallelism))
 
 
 def _with_offload(strategy, offload: str | None, nvme_path: str | None):
@@ -202,14 +205,22 @@ def run(args) -> int:
             times[strategy.label] = _step_seconds(candidate, profile)
     if not rows:
         raise no_valid_strategy(skipped)
+    from shardfit.estimate import parallel_report
+    layout_strategies = [s for s, _ in strategies_for(args, plan) if s.label in dict(rows)]
+    options = {"accounting": args.accounting, "device": args.device, "checkpoint": args.checkpoint,
+               "optimizer_impl": args.optimizer_impl}
     if args.json:
         doc = report.document(plan, gpu, rows, args.accounting, args.device, args.checkpoint, skipped,
                               with_terms=args.explain)
         if profile is not None:
             doc["step_time_s"] = {"device_profile": args.device_profile, **times}
+        if not plan.parallelism.is_default:
+            doc["parallelism"] = parallel_report.layout_document(plan, layout_strategies, estimate, options)
         sys.stdout.write(report.to_json(doc) + "\n")
         return 0
     print(report.table(plan, gpu, rows, args.accounting, args.device, skipped))
+    if not plan.parallelism.is_default:
+        print(parallel_report.layout_text(plan, layout_strategies, estimate, options, gpu.memory_gib))
     if lora_asked(args):
         print(f"note: {lora_line(plan.training.lora, args)}")
     if profile is not None:

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardfit.engines import base, native
+from shardfit.engines import base, native, tensor_parallel
 from shardfit.errors import ShardfitError
 from shardfit.spec.fsdp_units import separate_embedding_units
 
@@ -40,6 +40,8 @@ def setup(plan, model, ctx) -> base.Engine:
     # NOTE: pinned memory needs CUDA; on CPU the policy must not pin.
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if s.offload_params else None
     mesh = base.device_mesh(ctx, base.hybrid_group(plan, ctx))
+    if plan.parallelism.tp > 1:  # FSDP2 x TP: the blocks' linears sharded over tp first (tensor_parallel.py)
+        mesh = tensor_parallel.apply(plan, model, ctx)
     kwargs = {"mesh": mesh, "mp_policy": policy}
     if offload is not None:
         kwargs["offload_policy"] = offload
@@ -68,6 +70,8 @@ def setup(plan, model, ctx) -> base.Engine:
         yield
 
     def clip(max_norm: float):
+        if plan.parallelism.tp > 1:
+            return tensor_parallel.clip_grad_norm(params, max_norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
 
     def full_state():

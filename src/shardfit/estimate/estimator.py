@@ -20,6 +20,7 @@ from shardfit.estimate import chunked_loss as closs
 from shardfit.estimate import buffers as bufs
 from shardfit.estimate import overhead as ovh
 from shardfit.estimate import lora_sharding as lsh
+from shardfit.estimate import model_parallel as mpar
 from shardfit.estimate import states as sts
 from shardfit.estimate import temporaries as tmp
 from shardfit.estimate import selective as sel
@@ -116,6 +117,9 @@ def estimate(plan, *, accounting: str = "real", device: str = "cuda", checkpoint
         raise ShardfitError(f"optimizer_impl '{optimizer_impl}' is not known: use one of {', '.join(OPTIMIZER_IMPLS)}")
     if checkpoint not in CHECKPOINT_MODES:
         raise ShardfitError(f"checkpoint '{checkpoint}' is not known: use sharded or full")
+    if not plan.parallelism.is_default:  # tp / cp / pp: per-rank local plans (estimate/model_parallel.py)
+        return mpar.estimate_model_parallel(plan, estimate, accounting=accounting, device=device, checkpoint=checkpoint,
+                                            optimizer_impl=optimizer_impl, explain=explain)
     model, s, t, c = plan.model, plan.strategy, plan.training, plan.cluster
     kind, precision, optimizer, lora = s.kind, t.precision, t.optimizer, t.lora
     world = c.nodes * c.gpus_per_node

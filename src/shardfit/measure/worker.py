@@ -34,6 +34,7 @@ from shardfit.modeling import build_model
 
 def make_batch(plan, step: int, rank: int, vocab: int) -> dict:
     t = plan.training
+    rank //= plan.parallelism.tp  # the ranks of one tensor-parallel group read the same batch
     generator = torch.Generator().manual_seed(plan.schedule.seed * 1000 + step * 17 + rank)
     ids = torch.randint(0, vocab, (t.micro_batch, t.seq_len), generator=generator)
     return {"input_ids": ids, "labels": ids.clone()}
@@ -57,6 +58,7 @@ def run_one(config: dict, ctx, previous: list) -> dict:
     prof = profile(plan=plan, budget_bytes=budget, explain_oom=False, label=plan.strategy.label)
     engine = None
     error = None
+    losses = []  # per optimizer step, the last micro-batch's; "repeat_batch": the same batch every step
     with prof:
         try:
             model = build_model(plan.model.source, device="cpu", dtype=None, seed=plan.schedule.seed,
@@ -67,8 +69,10 @@ def run_one(config: dict, ctx, previous: list) -> dict:
             vocab = plan.model.vocab_size
             for step in range(steps):
                 for micro in range(plan.training.grad_accum):
-                    batch = make_batch(plan, step * plan.training.grad_accum + micro, ctx.rank, vocab)
-                    engine.forward_backward(batch, last=micro == plan.training.grad_accum - 1)
+                    index = micro if config.get("repeat_batch") else step * plan.training.grad_accum + micro
+                    batch = make_batch(plan, index, ctx.rank, vocab)
+                    loss = engine.forward_backward(batch, last=micro == plan.training.grad_accum - 1)
+                losses.append(float(loss))
                 if not engine.kind.startswith("zero"):
                     engine.step()
             if config.get("checkpoint"):
@@ -86,7 +90,7 @@ def run_one(config: dict, ctx, previous: list) -> dict:
     estimate = estimate_dict(plan, "cuda" if ctx.device.type == "cuda" else "cpu")
     out = {"label": config.get("label") or plan.strategy.label, "plan": config["plan"], "budget_bytes": budget,
            "error": error, "seconds": round(time.perf_counter() - started, 2), "measured": gathered.phases,
-           "step_times_s": step_times,
+           "step_times_s": step_times, "losses": losses,
            "report": gathered.to_dict(), "estimate": estimate,
            "comparison": compare(gathered.phases, estimate["phases"]) if estimate else None}
     if error == "oom":

@@ -14,6 +14,7 @@ from shardfit.spec.gpus import get_gpu
 from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS, check_kernels
 from shardfit.spec.fsdp_units import EMBEDDING_UNITS, embedding_units_error
 from shardfit.spec.model_spec import ModelSpec
+from shardfit.spec.parallelism import Parallelism, drop_default, validate_parallelism
 
 # single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
 STRATEGY_KINDS = ("single", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
@@ -215,6 +216,7 @@ class Plan:
     cluster: Cluster = field(default_factory=Cluster)
     schedule: Schedule = field(default_factory=Schedule)
     data: Data = field(default_factory=Data)
+    parallelism: Parallelism = field(default_factory=Parallelism)  # spec/parallelism.py
 
     @property
     def global_batch(self) -> int:
@@ -229,7 +231,7 @@ class Plan:
         return replace(self, **updated)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return drop_default(dataclasses.asdict(self))  # no section when default: old files unchanged
 
 
 # Per-op selective activation checkpointing (torchtitan's "selective op" mode): every block is
@@ -295,6 +297,7 @@ def plan_from_dict(data: dict, resolve_model=None) -> Plan:
         cluster=build_section(Cluster, data.get("cluster"), "cluster"),
         schedule=build_section(Schedule, data.get("schedule"), "schedule"),
         data=build_section(Data, data.get("data"), "data"),
+        parallelism=build_section(Parallelism, data.get("parallelism"), "parallelism"),
     )
     validate_plan(plan)
     return plan
@@ -326,6 +329,7 @@ def validate_plan(plan: Plan) -> list[str]:
     one_of(t.attention, ATTENTION, "training.attention")
     parse_activation_checkpointing(t.activation_checkpointing)
     check_kernels(plan)
+    warnings += validate_parallelism(plan)
     gpu = get_gpu(c.gpu)
     for name, value in (("training.micro_batch", t.micro_batch), ("training.seq_len", t.seq_len),
                         ("training.grad_accum", t.grad_accum), ("cluster.nodes", c.nodes),

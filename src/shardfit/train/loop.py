@@ -95,6 +95,9 @@ def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | 
     s, t = plan.schedule, plan.training
     if s.nan_policy not in ("stop", "skip"):
         raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
+    if plan.parallelism.model_parallel > 1:  # the loop shards data, loss and eval over every rank
+        raise ShardfitError("`shardfit train` runs data parallelism only so far: tp/cp/pp are for plan, and FSDP2 x TP "
+                            "runs under the profiling harness (docs/parallelism.md); set parallelism tp, cp, pp to 1")
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
     with runlock.held(out, ctx.is_main):  # one writer per run folder

@@ -1,0 +1,108 @@
+"""Tensor parallelism for the FSDP2 engine: a 2-D (dp, tp) DeviceMesh, the model's own transformers TP
+plan applied with torch's `parallelize_module`, then FSDP2 over the dp dimension (torchtitan's and
+accelerate's composition, FSDP2 x TP).
+
+The plan is the model's `_tp_plan` (transformers >= 5 merges the config's `base_model_tp_plan` under
+the base-model prefix with the head's own entry): "colwise" -> ColwiseParallel, "rowwise" ->
+RowwiseParallel, "embedding_rowwise" -> RowwiseParallel over the vocabulary (input replicated),
+"colwise_gather_output" -> ColwiseParallel with the logits gathered. Attention reshapes with -1
+heads, so each rank runs heads / tp of them unchanged.
+Ranks are laid out tp-innermost (torchtitan's order): ranks r and r+1 share a TP group inside a
+node, and `data_rank` says which batch a rank must read (the same within a TP group).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardfit.errors import ShardfitError
+
+
+def data_rank(plan, rank: int) -> int:
+    """The data-parallel index of a global rank: TP ranks of one group read the same batch."""
+    return rank // plan.parallelism.tp
+
+
+def _styles():
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def model_tp_plan(model) -> dict:
+    """{module path pattern: style name} from the transformers model itself."""
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    if not plan:
+        base = getattr(model.config, "base_model_tp_plan", None) or {}
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
+    if not plan:
+        raise ShardfitError(f"{type(model).__name__} has no tensor-parallel plan (transformers' base_model_tp_plan): "
+                            "set parallelism.tp to 1")
+    return plan
+
+
+def apply(plan, model, ctx):
+    """Shard `model` in place over the tp dimension; return the dp mesh FSDP2 shards over."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    par = plan.parallelism
+    if par.cp > 1 or par.pp > 1 or par.ep > 1 or par.sequence_parallel:
+        raise ShardfitError("the FSDP2 engine runs tp (without sequence parallel) and dp only so far: cp, pp, ep "
+                            "and sequence_parallel are plan / estimate only (issue 14)")
+    if par.loss_parallel:
+        raise ShardfitError("the engine runs the model's own transformers TP plan, whose lm_head gathers the logits: "
+                            "set parallelism.loss_parallel false (--no-loss-parallel)")
+    tp = par.tp
+    if ctx.world_size % tp:
+        raise ShardfitError(f"tp = {tp} does not divide the {ctx.world_size} ranks: choose a divisor")
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    styles = _styles()
+    wanted = model_tp_plan(model)
+    unknown = sorted({style for style in wanted.values() if style not in styles})
+    if unknown:
+        raise ShardfitError(f"{type(model).__name__}'s TP plan uses '{unknown[0]}', which shardfit does not map yet "
+                            f"(it maps {', '.join(styles)}): set parallelism.tp to 1")
+    parallelize_module(model, mesh["tp"], {path: styles[style]() for path, style in wanted.items()})
+    _retie(model)
+    return mesh["dp"]
+
+
+def _retie(model) -> None:
+    """parallelize_module gives the embedding and the head each a new DTensor parameter, which unties
+    tied embeddings (two copies, two gradients). Both are Shard(0) over the vocabulary on the tp
+    mesh (embedding_rowwise, colwise), so the head takes the embedding's parameter back."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or outputs.weight is inputs.weight:
+        return
+    if outputs.weight.placements != inputs.weight.placements or outputs.weight.shape != inputs.weight.shape:
+        raise ShardfitError(f"{type(model).__name__}: its tied embedding and head are sharded differently by its TP "
+                            "plan: set parallelism.tp to 1")
+    outputs.weight = inputs.weight
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ over parameters on different meshes (2-D dp x tp DTensors next to 1-D dp ones,
+    which torch.stack cannot mix): each gradient's norm made a plain tensor first."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32)
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares = squares + norm.to(squares.device) ** 2
+    total = squares.sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coef.to(grad.device).item() if isinstance(grad, DTensor) else coef.to(grad.device))
+    return total

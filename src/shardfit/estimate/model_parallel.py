@@ -1,0 +1,244 @@
+"""Per-rank estimates beyond data parallelism: tensor (+ sequence), context and pipeline parallel.
+
+One rank of a tp x cp x pp layout trains a smaller model: its pipeline stage's layers, each linear a
+1/tp slice (transformers' `base_model_tp_plan`: q/k/v, gate/up colwise, o/down rowwise; norms
+replicated), the embedding on the first stage and the head on the last (vocab-parallel: V/tp rows
+each; the logits V/tp too under loss_parallel, gathered otherwise), over seq/cp tokens per sequence, with its states sharded over the dp_shard x cp ranks that
+hold the same slice (FSDP2 over torchtitan's dp_shard_cp mesh; Megatron's distributed optimizer
+over dp x cp). So each stage is estimated as that rank-local plan by the data-parallel estimator
+(the engine-calibrated activation profile keeps the replicated tensors at full width and slices the
+rest: Korthikanti's 10 + 24/t split), then:
+- sequence parallel: the replicated part is split over tp too, so the layer's activations are the
+  unsliced layer's / tp (Korthikanti et al. 2022 Table 2: 34/t + 5as/(ht));
+- pipeline: the rank holds `in_flight_microbatches` micro-batches of activations (1F1B: p - i on
+  rank i; interleaved: p(1 + (p-1)/(pv)) on the first; GPipe: all m) and p2p send/recv buffers;
+- context parallel: the ring's K/V chunks in flight (its own and the one arriving, double-buffered)
+  and the fp32 partial output + log-sum-exp the ring accumulates;
+- "ideal" accounting: activations are the paper's formulas (estimate/korthikanti.py) instead.
+The reported estimate is the rank with the highest peak; `stage_estimates` gives every stage.
+Not modelled yet (issue 14): ep > 1, derived specs (traced coefficients cannot be sliced), TP's own
+communication buffers. No torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardfit.errors import ShardfitError
+from shardfit.estimate import korthikanti as kor
+from shardfit.estimate.activations import checkpointed_blocks
+from shardfit.estimate.result import Estimate, Term
+from shardfit.estimate.states import block_linears
+from shardfit.spec.model_spec import ModelSpec
+from shardfit.spec.parallelism import Layout, Parallelism, in_flight_microbatches, resolve, stage_layers
+from shardfit.spec.plan import Cluster, is_selective_ac, parse_activation_checkpointing
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def local_model(model: ModelSpec, layout: Layout, layers: int, first: bool, last: bool, tp: int | None = None) -> ModelSpec:
+    """The model one rank trains: `layers` blocks sliced over tp, the embedding if first, the final norm
+    and head if last. tp overrides the layout's (1: the unsliced stage, for sequence parallel)."""
+    t = layout.tp if tp is None else tp
+    h, vocab = model.hidden_size, model.vocab_size
+    linear_weights = sum(i * o * n for _, i, o, n in block_linears(model))
+    colwise_bias = _colwise_biases(model, model.block_params - linear_weights)
+    block = model.block_params - linear_weights - colwise_bias + (linear_weights + colwise_bias) // t
+    embedding = vocab * h
+    norm = h * (2 if model.norm == "layernorm" else 1)
+    untied_head = 0 if model.tie_embeddings else embedding
+    other = max(0, model.non_block_params - embedding - untied_head - norm)  # position embeddings, ...
+    shard_rows = _ceil_div(vocab, t) * h  # Megatron pads the vocabulary to a multiple of tp
+    emb_local = shard_rows
+    non_block = 0
+    if first:
+        non_block += emb_local + other
+    if last:
+        non_block += norm
+        # The head is colwise in both plans; tied, the last stage holds its own copy (Megatron) unless
+        # the first stage is the same rank.
+        if not (model.tie_embeddings and first):
+            non_block += shard_rows
+    # The largest single tensor (single-tensor AdamW's scratch): a sliced linear or a vocab shard.
+    largest = max([o * i // t for _, i, o, n in block_linears(model)] + [shard_rows if (first or last) else 0, 1])
+    local_vocab = (_ceil_div(vocab, t) if layout.loss_parallel else vocab) if last else 0
+    return replace(model, name=f"{model.name}[rank]", n_params=layers * block + non_block, num_layers=layers,
+                   num_heads=model.num_heads // t, num_kv_heads=(model.num_kv_heads or model.num_heads) // t,
+                   head_dim=model.head_dim or h // max(model.num_heads, 1),
+                   intermediate_size=model.intermediate_size // t if model.intermediate_size else 0,
+                   vocab_size=local_vocab, block_params=block, non_block_params=non_block,
+                   largest_layer_params=largest)
+
+
+def _colwise_biases(model: ModelSpec, outside_weights: int) -> int:
+    """The biases a colwise linear shards with its weight (those of rowwise linears, h wide, stay
+    whole): q/k/v (Qwen2, Llama attention_bias), gate/up (mlp_bias), GPT-2's c_attn / c_fc, BERT's
+    query/key/value / intermediate. `outside_weights`: a block's parameters other than its weights."""
+    h, hd = model.hidden_size, model.head_dim or model.hidden_size // max(model.num_heads, 1)
+    inter = model.intermediate_size or 4 * h
+    norms = 4 * h if model.norm == "layernorm" else (4 if model.family == "gemma2" else 2) * h
+    biases = max(0, outside_weights - norms)
+    if model.family in ("gpt2", "bert"):
+        return min(biases, 3 * h + inter)
+    qkv = (model.num_heads + 2 * (model.num_kv_heads or model.num_heads)) * hd
+    colwise = qkv if biases >= qkv else 0
+    if biases - colwise >= 2 * inter:
+        colwise += 2 * inter
+    return colwise
+
+
+def local_plan(plan, layout: Layout, model: ModelSpec):
+    """The data-parallel plan whose estimate is this rank's: dp x cp ranks share its states, sharded
+    over dp_shard x cp; seq_len / cp tokens per sequence."""
+    c, s = plan.cluster, plan.strategy
+    ranks, shard = layout.dp * layout.cp, layout.dp_shard * layout.cp
+    nodes = c.nodes if ranks % c.nodes == 0 else 1
+    cluster = Cluster(nodes=nodes, gpus_per_node=ranks // nodes, gpu=c.gpu, host_memory_gib=c.host_memory_gib)
+    if s.kind == "fsdp2" and 1 < shard < ranks:
+        s = replace(s, sharding="hybrid_shard", shard_group_size=shard)
+    elif s.kind == "fsdp2":
+        s = replace(s, sharding="full_shard", shard_group_size=None)
+    training = replace(plan.training, seq_len=plan.training.seq_len // layout.cp)
+    return replace(plan, model=model, cluster=cluster, strategy=s, training=training, parallelism=Parallelism())
+
+
+def _act_terms(est: Estimate) -> int:
+    """One micro-batch's saved activations (blocks + head) from an explained estimate."""
+    return est.term("activations.blocks").bytes + est.term("activations.head").bytes
+
+
+def _paper_activations(plan, layout: Layout, layers: int, first: bool, last: bool) -> float:
+    """Korthikanti et al.'s bytes for one micro-batch through this rank's layers (ideal accounting)."""
+    m, t = plan.model, plan.training
+    s, b = t.seq_len // layout.cp, t.micro_batch
+    every = parse_activation_checkpointing(t.activation_checkpointing)
+    full = 0 if is_selective_ac(t.activation_checkpointing) else checkpointed_blocks(layers, every)
+    # Flash attention (sdpa) never stores the s^2 scores: the paper's selective-recompute saving.
+    kept = "selective" if (t.attention == "sdpa" or is_selective_ac(t.activation_checkpointing)) else "none"
+    args = (s, b, m.hidden_size, m.num_heads, layout.tp)
+    total = kor.layer_activation_bytes(*args, sp=layout.sequence_parallel, recompute=kept,
+                                       ffn=m.intermediate_size or None) * (layers - full)
+    total += kor.layer_activation_bytes(*args, sp=layout.sequence_parallel, recompute="full") * full
+    if first:
+        total += s * b * m.hidden_size / layout.tp  # embedding dropout mask
+    if last:
+        total += 4 * s * b * m.hidden_size / layout.tp * (1 + m.vocab_size / m.hidden_size)
+    return total
+
+
+def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, tokens: int, d: int, tp: int) -> dict:
+    """transformers' `colwise_gather_output` head: the forward peaks while the logits are gathered --
+    the local V/tp shard, DTensor's all-gather buffer and the full logits are live, the loss has not
+    saved its fp32 log_softmax or labels yet. The larger of that instant and the loss's."""
+    head = est.term("activations.head").inputs.get("tensors", {})
+    loss_saved = tokens * sum(per for label, per in head.items() if label.startswith("loss."))
+    at_loss = est.term("activations.blocks").bytes + est.term("activations.head").bytes
+    if forward["activations"] < at_loss - tokens * rank_model.hidden_size * 4:
+        return forward  # the peak is inside a block (checkpointing), not at the loss
+    vocab = rank_model.vocab_size
+    gather = {**forward, "activations": forward["activations"] - loss_saved,
+              "temporaries": forward["temporaries"] - est.term("temporaries.loss_inputs").bytes
+              + tokens * -(-vocab // tp) * d + tokens * vocab * d}
+    if sum(gather.values()) <= sum(forward.values()):
+        return forward
+    # Measured (4 CPU ranks): run to run, the gather's staging buffers are freed before or after the
+    # loss saves its log_softmax; the worst case keeps both.
+    return {**gather, "activations": forward["activations"]}
+
+
+def _stage(plan, layout: Layout, estimate_fn, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
+    model, t = plan.model, plan.training
+    first, last = stage == 0, stage == layout.pp - 1
+    rank_model = local_model(model, layout, layers, first, last)
+    est = estimate_fn(local_plan(plan, layout, rank_model), explain=True, **options)
+    one = _act_terms(est)
+    scale = 1.0
+    if layout.sequence_parallel:
+        unsliced = estimate_fn(local_plan(plan, layout, local_model(model, layout, layers, first, last, tp=1)),
+                               explain=True, **options)
+        scale = _act_terms(unsliced) / layout.tp / max(one, 1)
+    in_flight = in_flight_microbatches(layout, stage)
+    paper = options["accounting"] == "ideal"
+    per_micro = _paper_activations(plan, layout, layers, first, last) if paper else one * scale
+    d = 4 if t.precision == "fp32" else 2
+    b, s = t.micro_batch, t.seq_len // layout.cp
+    # p2p: the stage boundary's activation (and in backward its gradient), sent and received.
+    p2p = 2 * b * s * model.hidden_size * d // (layout.tp if layout.sequence_parallel else 1) if layout.pp > 1 else 0
+    kvd = (model.num_kv_heads or model.num_heads) // layout.tp * (model.head_dim or model.hidden_size // model.num_heads)
+    qd = model.num_heads // layout.tp * (model.head_dim or model.hidden_size // model.num_heads)
+    # Ring attention: K and V chunks of s/cp tokens, the rank's own and the arriving one (double
+    # buffer), and the fp32 partial output + log-sum-exp merged after every step.
+    ring = (4 * b * s * kvd * d + b * s * (qd + model.num_heads // layout.tp) * 4) if layout.cp > 1 else 0
+    res = 4 if (t.precision == "fp32" or (plan.strategy.kind in ("ddp", "single") and t.precision != "bf16-pure")) else 2
+    # Measured (FSDP2 x TP, 4 CPU ranks): the embedding's all-reduced output (RowwiseParallel's
+    # Partial -> Replicate) is held by the functional collective's wrapper, which the tracker sees as
+    # a temporary although block 0 saves it.
+    embedding_out = b * s * model.hidden_size * res if first and layout.tp > 1 and not paper else 0
+    phases = {}
+    for name, cats in est.phases.items():
+        cats = dict(cats)
+        if name in ("forward", "backward"):
+            if paper:
+                cats["activations"] = int(per_micro * in_flight)
+            else:
+                cats["activations"] = int(cats["activations"] * scale + per_micro * (in_flight - 1))
+            moved = min(embedding_out, cats["activations"])
+            cats["activations"] -= moved
+            cats["temporaries"] += p2p + ring + moved
+        phases[name] = cats
+    if last and layout.tp > 1 and not layout.loss_parallel and not paper:
+        phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp)
+    notes = (f"layout {layout.describe()}: pipeline rank {stage} of {layout.pp} holds {layers} layers"
+             f"{' + embedding' if first else ''}{' + head' if last else ''}, {in_flight:g} micro-batch(es) of "
+             f"activations in flight ({layout.schedule if layout.pp > 1 else 'no pipeline'})",
+             f"each linear 1/{layout.tp} (colwise q/k/v/gate/up, rowwise o/down), norms replicated; "
+             f"vocab-parallel embedding, {'vocab-parallel loss' if layout.loss_parallel else 'gathered logits (colwise_gather_output)'}; "
+             f"states sharded over dp_shard x cp = {layout.dp_shard * layout.cp} ranks",
+             "not modelled: TP/CP/PP collectives' own buffers beyond the ring and p2p ones")
+    extra = ()
+    if explain:
+        extra = (Term(name="parallel.activations_per_microbatch", bytes=int(per_micro),
+                      formula="Korthikanti Table 2 (ideal) | rank-local profile x SP scale",
+                      inputs={"scale_sp": scale, "in_flight": in_flight, "layers": layers},
+                      source="Korthikanti et al. 2022 sec. 4; Narayanan et al. 2021 (1F1B)"),
+                 Term(name="parallel.p2p_buffers", bytes=p2p, formula="2*b*(s/cp)*h*d (/t under SP)", inputs={},
+                      source="torch.distributed.pipelining send/recv buffers"),
+                 Term(name="parallel.cp_ring", bytes=ring, formula="4*b*(s/cp)*kv_dim*d + b*(s/cp)*(q_dim + heads)*4",
+                      inputs={"cp": layout.cp}, source="ring attention (Liu et al. 2023), torch context_parallel"))
+    return replace(est, phases=phases, strategy=plan.strategy.label, terms=est.terms + extra,
+                   assumptions=notes + est.assumptions)
+
+
+def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estimate]]:
+    """[(pipeline rank, its layers, its Estimate)] for every rank of the plan's layout."""
+    model = plan.model
+    if model.derived:
+        raise ShardfitError(f"{model.name} is a derived spec (traced activations): tp/cp/pp estimates need a "
+                            "hand-written family for now (llama, mistral, qwen2, gemma2, gpt2, ...)")
+    layout = resolve(plan)
+    if layout.ep > 1:
+        raise ShardfitError("the estimator does not model expert parallelism yet (issue 14): set ep to 1")
+    layers = stage_layers(model.num_layers, layout.pp, layout.virtual)
+    explain = options.pop("explain", False)
+    seen: dict = {}
+    out = []
+    for stage, count in enumerate(layers):
+        in_flight = in_flight_microbatches(layout, stage)
+        key = (count, stage == 0, stage == layout.pp - 1, in_flight)
+        if key not in seen:
+            seen[key] = _stage(plan, layout, estimate_fn, stage, count, options, explain)
+        out.append((stage, count, seen[key]))
+    return out
+
+
+def estimate_model_parallel(plan, estimate_fn, **options) -> Estimate:
+    """The estimate of the plan's most loaded rank (highest device peak over pipeline ranks)."""
+    explain = options.get("explain", False)
+    stages = stage_estimates(plan, estimate_fn, **options)
+    stage, layers, worst = max(stages, key=lambda item: item[2].device_peak_bytes)
+    peaks = ", ".join(f"{s}:{e.device_peak_bytes / 2**30:.1f}" for s, _, e in stages)
+    note = f"most loaded pipeline rank: {stage} (device peak GiB per rank {peaks})"
+    if not explain:
+        return replace(worst, terms=(), assumptions=())
+    return replace(worst, assumptions=(note,) + worst.assumptions)

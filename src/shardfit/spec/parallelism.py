@@ -1,0 +1,238 @@
+"""The Plan's parallelism section: how the world of ranks is split beyond data parallelism.
+
+world = dp_replicate x dp_shard x tp x cp x pp. The defaults (tp = cp = pp = ep = 1, dp left to the
+strategy) are today's strategies exactly: a Plan without this section, or with the defaults, is the
+same Plan it always was, and `Plan.to_dict` leaves the section out so old files and hashes stay as
+they were.
+
+dp_replicate / dp_shard: 0 means "derived": dp = world / (tp*cp*pp) ranks, split the way the strategy
+splits them (ddp: all replicate; fsdp / fsdp2 / zero: all shard; hybrid: the shard group). Given
+explicitly they must multiply with tp*cp*pp to the world size (accelerate's ParallelismConfig and
+torchtitan's ParallelDims have the same rule).
+
+Layers that do not divide the pipeline's chunks are split as evenly as possible with the extra
+layers on the middle stages: the edge stages also hold the embedding and the head (what Llama 3 did
+with 126 layers on 16 stages). No torch here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shardfit.errors import ShardfitError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# Strategies the model-parallel engines compose with: torch's DeviceMesh composes DDP and FSDP2
+# with TP / CP / PP (torchtitan, accelerate); DeepSpeed's pipeline engine takes ZeRO-1 at most and
+# its AutoTP training ZeRO-0..2.
+MESH_STRATEGIES = ("single", "ddp", "fsdp2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    dp_replicate: int = 0  # 0 = derived from the strategy
+    dp_shard: int = 0  # 0 = derived from the strategy
+    tp: int = 1
+    sequence_parallel: bool = False  # norms / dropout / residual sharded over the sequence in TP regions
+    # The embedding is vocab-sharded either way (transformers' `embedding_rowwise`, Megatron's
+    # VocabParallelEmbedding). True: the logits stay vocab-sharded into a vocab-parallel cross-entropy
+    # (Megatron, torch's loss_parallel in torchtitan); False: the model's own transformers `_tp_plan`,
+    # whose lm_head is `colwise_gather_output` (every rank holds the full logits).
+    loss_parallel: bool = True
+    cp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: 2 or more)
+    pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = training.grad_accum
+    ep: int = 1
+
+    @property
+    def is_default(self) -> bool:
+        return self == Parallelism()
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.cp * self.pp
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """The resolved degrees of one plan: every number known, dp included."""
+    world: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    cp: int
+    pp: int
+    ep: int
+    virtual: int
+    microbatches: int
+    schedule: str
+    sequence_parallel: bool
+    loss_parallel: bool
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        parts = [f"dp_replicate={self.dp_replicate}", f"dp_shard={self.dp_shard}",
+                 f"tp={self.tp}" + ("+sp" if self.sequence_parallel else ""), f"cp={self.cp}", f"pp={self.pp}"]
+        if self.pp > 1:
+            parts.append(f"{self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "")
+                         + f" m={self.microbatches}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        return " ".join(parts)
+
+
+def drop_default(plan_data: dict) -> dict:
+    """A plan's dict without the parallelism section when it holds only the defaults."""
+    if plan_data.get("parallelism") == dataclasses.asdict(Parallelism()):
+        del plan_data["parallelism"]
+    return plan_data
+
+
+def _derived_shard(strategy, dp: int, gpus_per_node: int, tp: int, cp: int) -> int:
+    """dp_shard as the strategy shards its dp ranks."""
+    if strategy.kind in ("single", "ddp") or (strategy.kind == "fsdp" and strategy.sharding == "no_shard"):
+        return 1
+    if strategy.shard_group(gpus_per_node) is not None:
+        # Hybrid: the shard group counts dp ranks; by default the dp ranks of one node.
+        return min(dp, strategy.shard_group_size or max(1, gpus_per_node // (tp * cp)))
+    return dp
+
+
+def resolve(plan) -> Layout:
+    """The plan's layout with dp derived; assumes validate_parallelism passed."""
+    par, c = plan.parallelism, plan.cluster
+    world = c.nodes * c.gpus_per_node
+    dp = max(1, world // par.model_parallel)
+    shard = par.dp_shard or (dp // par.dp_replicate if par.dp_replicate else
+                             _derived_shard(plan.strategy, dp, c.gpus_per_node, par.tp, par.cp))
+    return Layout(world=world, dp_replicate=max(1, dp // max(shard, 1)), dp_shard=max(shard, 1), tp=par.tp,
+                  cp=par.cp, pp=par.pp, ep=par.ep, virtual=par.pp_virtual_stages,
+                  microbatches=par.pp_microbatches or plan.training.grad_accum, schedule=par.pp_schedule,
+                  sequence_parallel=par.sequence_parallel, loss_parallel=par.loss_parallel)
+
+
+def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> tuple[int, ...]:
+    """Layers held by each pipeline rank (summed over its `virtual` chunks). Chunks get
+    num_layers // chunks layers; the remainder goes one each to the middle chunks, so the first and
+    last chunks (embedding, head) stay the lightest."""
+    chunks = pp * virtual
+    base, extra = divmod(num_layers, chunks)
+    sizes = [base] * chunks
+    start = (chunks - extra) // 2
+    for index in range(start, start + extra):
+        sizes[index] += 1
+    # Chunk k runs on rank k % pp (Megatron's and torch's interleaved placement).
+    return tuple(sum(sizes[k] for k in range(rank, chunks, pp)) for rank in range(pp))
+
+
+def in_flight_microbatches(layout: Layout, stage: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of one
+    micro-batch through all of that rank's layers. 1F1B: rank i holds min(m, p - i) (Narayanan et al.
+    2021); interleaved: its warm-up chunks ((p - i - 1)*2 + (v - 1)*p + 1) / v, which on the first
+    rank is p * (1 + (p - 1)/(p*v)) (Korthikanti et al. 2022 sec. 4.2.3; Megatron's
+    interleaved_schedule_memory_penalty); GPipe: all m."""
+    p, v, m = layout.pp, layout.virtual, layout.microbatches
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved":
+        return min(((p - stage - 1) * 2 + (v - 1) * p + 1) / v, float(m))
+    return float(min(m, p - stage))
+
+
+def validate_parallelism(plan) -> list[str]:
+    """Raise ShardfitError (one line naming the fix) on a layout that cannot run; return warnings."""
+    par, c, s, t, m = plan.parallelism, plan.cluster, plan.strategy, plan.training, plan.model
+    warnings: list[str] = []
+
+    def bad(message: str):
+        raise ShardfitError(message)
+
+    for name in ("tp", "cp", "pp", "ep", "pp_virtual_stages"):
+        if getattr(par, name) < 1:
+            bad(f"parallelism.{name} must be at least 1, got {getattr(par, name)}")
+    for name in ("dp_replicate", "dp_shard", "pp_microbatches"):
+        if getattr(par, name) < 0:
+            bad(f"parallelism.{name} must be at least 1 (or 0: derived), got {getattr(par, name)}")
+    if par.pp_schedule not in PP_SCHEDULES:
+        bad(f"parallelism.pp_schedule '{par.pp_schedule}' is not known: use one of {', '.join(PP_SCHEDULES)}")
+    if par.is_default:
+        return warnings
+    world = c.nodes * c.gpus_per_node
+    mp = par.model_parallel
+    if world % mp:
+        bad(f"tp x cp x pp = {par.tp} x {par.cp} x {par.pp} = {mp} does not divide the world size {world} "
+            f"({c.nodes} nodes x {c.gpus_per_node} GPUs): choose degrees whose product divides it")
+    dp = world // mp
+    if par.dp_replicate and par.dp_shard and par.dp_replicate * par.dp_shard != dp:
+        bad(f"dp_replicate x dp_shard x tp x cp x pp = {par.dp_replicate * par.dp_shard * mp} but the world "
+            f"size is {world}: make dp_replicate x dp_shard = {dp} (or leave one at 0 to derive it)")
+    for name in ("dp_replicate", "dp_shard"):
+        value = getattr(par, name)
+        if value and dp % value:
+            bad(f"parallelism.{name} = {value} does not divide the {dp} data-parallel ranks "
+                f"(world {world} / tp x cp x pp {mp}): choose a divisor")
+    if par.tp > c.gpus_per_node or c.gpus_per_node % par.tp:
+        bad(f"tp = {par.tp} must divide the {c.gpus_per_node} GPUs of one node: tensor parallelism all-reduces "
+            f"every layer and needs the intra-node link; put the rest in pp or dp")
+    if mp > 1 and s.kind not in MESH_STRATEGIES and not (s.kind == "zero1" and par.cp == 1 and par.tp == 1):
+        bad(f"strategy {s.label} does not compose with tp/cp/pp on one device mesh: use fsdp2 (sharded states) "
+            f"or ddp{' (or zero1 for pp alone: DeepSpeed pipelines take ZeRO-1 at most)' if par.pp > 1 else ''}")
+    if par.dp_shard > 1 and s.kind in ("ddp", "single"):
+        bad(f"{s.kind} replicates every state: dp_shard must be 1 (or 0); use fsdp2 to shard over dp_shard ranks")
+    if not m.has_shape:
+        if mp > 1 or par.ep > 1:
+            bad("tp/cp/pp/ep need the model's shapes: give a preset or config instead of --params")
+        return warnings
+    heads, kv = m.num_heads, m.num_kv_heads or m.num_heads
+    if heads % par.tp or kv % par.tp:
+        bad(f"tp = {par.tp} must divide the attention heads ({heads}) and the KV heads ({kv}) of {m.name}: "
+            f"choose a tp that divides {_gcd(heads, kv)}")
+    if m.intermediate_size and m.intermediate_size % par.tp:
+        bad(f"tp = {par.tp} must divide {m.name}'s intermediate size {m.intermediate_size}: choose another tp")
+    if par.sequence_parallel and par.tp == 1:
+        bad("sequence_parallel shards the TP region's norms over the tp ranks: it needs tp > 1 (or turn it off)")
+    if par.sequence_parallel and (t.seq_len // par.cp) % par.tp:
+        bad(f"sequence parallel splits the sequence over tp: seq_len / cp = {t.seq_len // par.cp} must be "
+            f"divisible by tp = {par.tp}")
+    if par.cp > 1 and t.seq_len % (2 * par.cp):
+        bad(f"context parallel splits the sequence into 2 x cp = {2 * par.cp} load-balanced chunks: seq_len "
+            f"{t.seq_len} must be divisible by {2 * par.cp}")
+    chunks = par.pp * par.pp_virtual_stages
+    if m.num_layers < chunks:
+        bad(f"pp x virtual stages = {chunks} chunks but {m.name} has {m.num_layers} layers: use fewer stages")
+    if par.pp_schedule == "interleaved" and par.pp_virtual_stages < 2 and par.pp > 1:
+        bad("the interleaved schedule needs pp_virtual_stages >= 2 (model chunks per rank): set it, or use 1f1b")
+    if par.pp_schedule != "interleaved" and par.pp_virtual_stages > 1:
+        bad(f"pp_virtual_stages = {par.pp_virtual_stages} needs the interleaved schedule: set pp_schedule interleaved")
+    micro = par.pp_microbatches or t.grad_accum
+    if par.pp > 1 and par.pp_schedule == "interleaved" and micro % par.pp:
+        bad(f"the interleaved schedule runs micro-batches in groups of pp: {micro} micro-batches must be a "
+            f"multiple of pp = {par.pp} (set pp_microbatches or grad_accum)")
+    if par.pp > 1 and micro < par.pp:
+        warnings.append(f"{micro} micro-batches on {par.pp} pipeline stages: the bubble is over half the step; "
+                        f"use at least {par.pp} (pp_microbatches or grad_accum), ideally several times more")
+    if m.num_layers % chunks and par.pp > 1:
+        warnings.append(f"{m.num_layers} layers on {chunks} chunks: split {stage_layers(m.num_layers, par.pp, par.pp_virtual_stages)} "
+                        "per rank, the extra layers on the middle stages")
+    if par.ep > 1:
+        if not m.num_experts:
+            bad(f"ep = {par.ep} shards experts, but {m.name} is a dense model: set ep to 1")
+        if m.num_experts % par.ep:
+            bad(f"ep = {par.ep} must divide the {m.num_experts} experts of {m.name}")
+        shard = par.dp_shard or dp
+        if (shard * par.cp) % par.ep:
+            bad(f"ep = {par.ep} borrows its ranks from dp_shard x cp = {shard * par.cp}: choose an ep that divides it")
+    return warnings
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a

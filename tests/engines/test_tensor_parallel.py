@@ -1,0 +1,135 @@
+"""FSDP2 x TP for real: 4 CPU ranks (gloo) on a 2 x 2 (dp, tp) DeviceMesh, tiny-llama sharded with its
+own transformers TP plan through torch's parallelize_module, then FSDP2 over dp. One torchrun launch of
+the profiling harness (shardfit.measure.worker) runs two configurations.
+
+Checked: the losses are finite, fall, and equal plain single-process torch training the same model on
+the same two data-parallel batches (the TP ranks of a group read one batch); the tracker's categories
+match the estimator's per-rank figures (estimate/model_parallel.py) within 5% per category, with the
+one gap named below.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from launch import test_env as launch_env, torchrun
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+TOLERANCE = 0.05
+SMALL_TERM = 0.01  # a term under 1% of its phase is compared in bytes (as the engine matrix does)
+STEPS = 8
+
+
+def _plan(precision: str, ac: str, model: str = "tiny-llama") -> dict:
+    return {"model": model, "strategy": {"kind": "fsdp2"}, "cluster": {"nodes": 1, "gpus_per_node": 4},
+            "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac},
+            "schedule": {"lr": 0.003, "warmup_steps": 0},
+            "parallelism": {"tp": 2, "loss_parallel": False}}
+
+
+CONFIGS = [{"label": "fsdp2xtp/fp32/ac-none", "plan": _plan("fp32", "none"), "steps": STEPS, "repeat_batch": True},
+           {"label": "fsdp2xtp/bf16/ac-full", "plan": _plan("bf16", "full"), "steps": 3, "repeat_batch": True},
+           # Colwise-sharded q/k/v biases.
+           {"label": "tiny-qwen2/fsdp2xtp/fp32", "plan": _plan("fp32", "none", "tiny-qwen2"), "steps": 3,
+            "repeat_batch": True}]
+# The same split the data-parallel FSDP2 estimate misses on this model (tests/measure/matrix_gaps.py
+# "tiny-llama/fsdp2/bf16/ac-full"): at the backward peak the unsharded grads of a unit and a recomputed
+# block are not all live at the instant the estimator picks; the phase total is within 0.1%.
+# And in both: the harness's own batch (input_ids + labels, 16*b*s = 2,048 B) is still alive during the
+# optimizer step next to 40,960 B of single-tensor AdamW scratch (measured 43,152 vs 40,968 predicted:
+# -5.1%; SHARDFIT_PROFILE_DEBUG lists the two 1,024 B tensors).
+_BATCH = "optimizer/temporaries"
+KNOWN_GAPS = {"fsdp2xtp/fp32/ac-none": {_BATCH}, "tiny-qwen2/fsdp2xtp/fp32": {_BATCH},
+              "fsdp2xtp/bf16/ac-full": {"backward/grads", "backward/activations", "backward/temporaries", _BATCH}}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tp")
+    (folder / "configs.json").write_text(json.dumps(CONFIGS))
+    out = folder / "out.jsonl"
+    torchrun(["-m", "shardfit.measure.worker", str(folder / "configs.json"), str(out)], nproc=4, timeout=240,
+             env=launch_env())
+    found = {}
+    for line in out.read_text().splitlines():
+        result = json.loads(line)
+        assert result["error"] is None, result.get("traceback") or result["error"]
+        found[result["label"]] = result
+    return found
+
+
+def _reference_losses(plan_data: dict, steps: int) -> list[float]:
+    """Plain torch on one process: the mean loss of the two dp batches, the engines' own optimizer,
+    schedule and clipping. Rank 0 reports its own batch's loss, so that is what is returned."""
+    import torch
+
+    from shardfit.engines.base import build_optimizer, build_scheduler
+    from shardfit.measure.worker import load_plan, make_batch
+    from shardfit.modeling import build_model
+
+    plan = load_plan(plan_data)
+    model = build_model(plan.model.source, device="cpu", dtype=None, seed=plan.schedule.seed,
+                        attn_implementation=plan.training.attention)
+    optimizer, vocab = build_optimizer(plan, model.parameters()), plan.model.vocab_size
+    scheduler = build_scheduler(plan, optimizer)
+    batches = [make_batch(plan, 0, rank, vocab) for rank in (0, 2)]  # global ranks 0 and 2: dp ranks 0 and 1
+    losses = []
+    for _ in range(steps):
+        per_rank = [model(**batch).loss for batch in batches]
+        (sum(per_rank) / len(per_rank)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), plan.schedule.grad_clip, foreach=False)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(per_rank[0].detach()))
+    return losses
+
+
+def test_fsdp2_x_tp_trains_like_plain_torch(results):
+    losses = results["fsdp2xtp/fp32/ac-none"]["losses"]
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.5
+    for config in CONFIGS:
+        got = results[config["label"]]["losses"]
+        assert all(math.isfinite(x) for x in got) and got[-1] < got[0], config["label"]
+        if config["plan"]["training"]["precision"] == "fp32":
+            assert got == pytest.approx(_reference_losses(config["plan"], config["steps"]), rel=1e-4), config["label"]
+
+
+@pytest.mark.parametrize("label", [c["label"] for c in CONFIGS])
+def test_measured_categories_match_the_per_rank_estimate(results, label):
+    from shardfit.estimate.estimator import estimate
+    from shardfit.measure.worker import load_plan
+
+    result = results[label]
+    predicted = estimate(load_plan(result["plan"]), device="cpu").phases
+    gaps = KNOWN_GAPS.get(label, set())
+    # Run to run, the logits all-gather's staging buffers are freed before or after the loss saves its
+    # fp32 log_softmax (tiny-qwen2 forward activations 1,407,492 or 1,572,364 B; llama bf16 forward
+    # temporaries 352,672 or 475,552 B): the estimate is the worst case, either measurement is allowed.
+    varies = {"forward/activations", "forward/temporaries"}
+    misses = []
+    for phase, measured in result["measured"].items():
+        total = sum(measured.get(c, 0) for c in CATEGORIES)
+        for category in CATEGORIES:
+            got, want = measured.get(category, 0), predicted[phase][category]
+            small = max(got, want) < SMALL_TERM * total
+            ok = abs(got - want) <= SMALL_TERM * total if small else abs(want - got) <= TOLERANCE * got
+            if f"{phase}/{category}" in varies:
+                continue
+            if not ok and f"{phase}/{category}" not in gaps:
+                misses.append(f"{phase}/{category}: measured {got}, predicted {want}")
+            if ok and f"{phase}/{category}" in gaps:
+                misses.append(f"{phase}/{category} is listed as a gap but now within tolerance: remove it")
+        if phase == "forward":  # worst case without checkpointing; under it the buffers' timing is not modelled
+            assert sum(predicted[phase].values()) == pytest.approx(total, rel=0.10), (measured, predicted[phase])
+            continue
+        # 2%: under checkpointing FSDP2's backward peak lands at different recompute instants run to run
+        # (matrix_gaps.VARIES_FSDP2_AC; here 1,395,968 predicted vs 1,397,244 or 1,413,628 measured).
+        assert sum(predicted[phase].values()) == pytest.approx(total, rel=0.02), (phase, measured, predicted[phase])
+    assert not misses, "; ".join(misses)

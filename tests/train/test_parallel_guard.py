@@ -1,0 +1,23 @@
+"""`shardfit train` refuses a tp/cp/pp plan with one line: its loop shards data, loss and eval over
+every rank, which would feed the ranks of one TP group different batches."""
+import pytest
+
+from shardfit.errors import ShardfitError
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.parallelism import Parallelism
+from shardfit.spec.plan import Cluster, Plan, parse_strategy
+
+torch = pytest.importorskip("torch")
+
+
+def test_train_refuses_model_parallel_plans(tmp_path):
+    from shardfit.engines.base import DistContext
+    from shardfit.train.loop import train
+
+    plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
+                cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(tp=2))
+    ctx = DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ShardfitError, match="runs data parallelism only so far") as info:
+        train(plan, tmp_path / "run", ctx=ctx)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()
