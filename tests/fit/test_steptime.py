@@ -122,3 +122,39 @@ def test_offload_costs_host_traffic_and_small_micro_batches_cost_efficiency():
     assert 0 < opt < both < nvme
     assert step_time(plan("zero3+offload"), gpu).total_s > step_time(plan("zero3"), gpu).total_s
     assert efficiency(plan(micro=1, seq=512)) < efficiency(plan(micro=4, seq=2048)) == efficiency(plan(micro=1, seq=8192))
+
+
+def _ds_plan(kind: str, model: str = "gpt2-xl", **strategy) -> Plan:
+    return Plan(model=load_model_spec(model)).with_changes(
+        strategy={"kind": kind, **strategy}, cluster={"nodes": 1, "gpus_per_node": 16, "gpu": "V100-32GB"},
+        training={"micro_batch": 1, "seq_len": 1024, "precision": "fp16", "grad_accum": 2})
+
+
+def test_deepspeed_hooks_cost_per_tensor_and_per_submodule():
+    from shardfit.fit.engine_overhead import DS_GRAD_HOOK_S, DS_ZERO3_FETCH_S, fetch_units, trained_tensors
+
+    gpu = get_gpu("V100-32GB")
+    z1 = step_time(_ds_plan("zero1", overlap_comm=False), gpu)
+    z2 = step_time(_ds_plan("zero2"), gpu)
+    z3 = step_time(_ds_plan("zero3"), gpu)
+    assert z1.host_s == 0.0  # no gradient hooks without overlap_comm (stage_1_and_2.py)
+    plan = _ds_plan("zero2")
+    assert trained_tensors(plan) == 48 * 12 + 4  # GPT-2 block: 4 linears + 2 LayerNorms, weight and bias each
+    assert z2.host_s == pytest.approx(2 * trained_tensors(plan) * DS_GRAD_HOOK_S)  # per micro-batch
+    assert z3.host_s == pytest.approx(z2.host_s + 2 * 2 * fetch_units(plan) * DS_ZERO3_FETCH_S)
+    assert step_time(_ds_plan("fsdp2"), gpu).host_s == 0.0 and step_time(_ds_plan("ddp"), gpu).host_s == 0.0
+    assert z3.total_s == pytest.approx(z3.compute_s + z3.exposed_comm_s + z3.offload_s + z3.optimizer_s + z3.host_s)
+
+
+def test_zero3_all_gathers_coalesce_up_to_the_prefetch_bucket():
+    from shardfit.fit.steptime import comm_parts
+
+    def gathers(bucket: int) -> int:
+        return comm_parts(_ds_plan("zero3", prefetch_bucket_size=bucket))[0].collectives
+
+    n_params = load_model_spec("gpt2-xl").n_params
+    # per forward and micro-batch: parameters / bucket coalesced all-gathers plus the first fetch
+    assert gathers(50_000_000) == 2 * (-(-n_params // 50_000_000) + 1)
+    # a bucket smaller than one MLP linear (1600 x 6400): one all-gather per such submodule at least
+    assert gathers(1_000_000) >= 2 * 48 * 2
+    assert gathers(1_000_000) > gathers(50_000_000)
