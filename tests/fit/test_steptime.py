@@ -158,3 +158,32 @@ def test_zero3_all_gathers_coalesce_up_to_the_prefetch_bucket():
     # a bucket smaller than one MLP linear (1600 x 6400): one all-gather per such submodule at least
     assert gathers(1_000_000) >= 2 * 48 * 2
     assert gathers(1_000_000) > gathers(50_000_000)
+
+
+def test_selective_dispatch_adds_on_cpu_and_hides_behind_big_kernels_on_a_gpu():
+    from shardfit.estimate.selective import selective_block_ops
+    from shardfit.fit.engine_overhead import SAC_DISPATCH_S, sac_dispatch_seconds
+
+    def plan(model, ac, gpu="H100-80GB"):
+        return Plan(model=load_model_spec(model)).with_changes(
+            strategy={"kind": "fsdp2"}, cluster={"nodes": 1, "gpus_per_node": 8, "gpu": gpu},
+            training={"micro_batch": 1, "seq_len": 4096 if model.startswith("llama") else 64, "precision": "bf16",
+                      "activation_checkpointing": ac, "grad_accum": 2})
+
+    h100 = get_gpu("H100-80GB")
+    big = plan("llama-3.1-8b", "selective")
+    assert step_time(big, h100).host_s == 0.0  # a block's kernels take far longer than its ~70 dispatches
+    tiny = plan("tiny-llama", "selective")
+    ops = selective_block_ops(tiny.model, "half", "sdpa")
+    assert 60 <= ops <= 90
+    exposed = step_time(tiny, h100).host_s
+    assert 0 < exposed <= 2 * 4 * ops * SAC_DISPATCH_S * 2  # forward + recompute, 4 blocks, accumulation 2
+    assert step_time(plan("tiny-llama", "full"), h100).host_s == 0.0
+    # on a CPU device the dispatch runs on the cores that compute: all of it adds
+    from shardfit.spec.gpus import MeasuredRates
+    from dataclasses import replace as dc_replace
+    rates = MeasuredRates(device="cpu", matmul=(("bf16", 64, 64, 1e-3),), memory_gbs=5.0, links=(("intra", 1.0, 1e-4),),
+                          comm_overlap=0.0, host_link_gbs=None, optimizer_params_per_s=1e8, cpu_adam_params_per_s=1e8,
+                          hooks=(("sac_dispatch_per_op", 40e-6),))
+    cpu = dc_replace(h100, measured=rates)
+    assert sac_dispatch_seconds(tiny, cpu, block_forward_s=1.0) == pytest.approx(2 * 4 * ops * 40e-6 * 2)

@@ -83,7 +83,8 @@ def summary(profile: DeviceProfile) -> list[str]:
 
 
 def hooks_line(hooks: dict) -> str:
-    if not hooks:
-        return "hooks      DeepSpeed's not measured (fit uses the published per-hook figures)"
-    return (f"hooks      DeepSpeed {hooks.get('deepspeed', '?')}: {hooks['deepspeed_grad_hook'] * 1e6:.0f} us per "
-            f"gradient hook, {hooks['deepspeed_zero3_fetch'] * 1e6:.0f} us per ZeRO-3 submodule fetch")
+    sac = (f"SAC {hooks['sac_dispatch_per_op'] * 1e6:.1f} us per op; " if "sac_dispatch_per_op" in hooks else "")
+    if "deepspeed_grad_hook" not in hooks:
+        return f"hooks      {sac}DeepSpeed's not measured (fit uses the published per-hook figures)"
+    return (f"hooks      {sac}DeepSpeed {hooks.get('deepspeed', '?')}: {hooks['deepspeed_grad_hook'] * 1e6:.0f} us "
+            f"per gradient hook, {hooks['deepspeed_zero3_fetch'] * 1e6:.0f} us per ZeRO-3 submodule fetch")

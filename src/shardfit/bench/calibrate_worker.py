@@ -289,6 +289,62 @@ def deepspeed_hooks(ctx, device: str, sync, latency_s: float) -> dict | None:
             "steps_s": {f"zero{stage}": s for stage, s in seconds.items()}}
 
 
+SAC_CHAIN = 16  # elementwise triples in the chain SAC dispatch is measured on
+SAC_ROUNDS = 60
+
+
+def sac_dispatch(ctx, device: str, sync) -> float:
+    """Seconds per aten op of per-op selective checkpointing's policy dispatch (shardfit/sac.py): a
+    chain of elementwise ops checkpointed under SAC's context against the same chain under plain
+    checkpointing. Both recompute every op (the policy keeps matmul outputs only, and the chain has
+    none), so the difference is the dispatch mode, over the ops it sees in forward and recompute.
+    Round-robin and medians, as for the hooks."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardfit import sac
+
+    def chain(x):
+        for _ in range(SAC_CHAIN):
+            x = torch.sin(x) * 1.01 + 0.1
+        return x
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(16, 16, device=ctx.device, requires_grad=True)
+    with Count():
+        chain(x)
+    ops = Count.ops
+
+    def plain():
+        checkpoint(chain, x, use_reentrant=False).sum().backward()
+
+    def selective():
+        checkpoint(chain, x, use_reentrant=False, context_fn=sac.context_fn).sum().backward()
+
+    times = {plain: [], selective: []}
+    for fn in times:
+        for _ in range(3):
+            fn()
+    for _ in range(SAC_ROUNDS):
+        for fn, values in times.items():
+            sync()
+            started = time.perf_counter()
+            fn()
+            sync()
+            values.append(time.perf_counter() - started)
+    per_op = max(0.0, statistics.median(times[selective]) - statistics.median(times[plain])) / (2 * ops)
+    say(ctx, f"selective checkpointing: {per_op * 1e6:.1f} us of policy dispatch per op ({ops} ops, forward "
+             "and recompute)")
+    return per_op
+
+
 def _device_name(device: str) -> str:
     if device == "cuda":
         import torch
@@ -334,9 +390,8 @@ def main(argv=None) -> int:
     figures["comm_overlap"] = overlap(ctx, device, sync)
     figures["host_link_gbs"] = host_copy(ctx, device, sync)
     figures["optimizer"], figures["cpu_adam"] = optimizers(ctx, device, sync)
-    hooks = deepspeed_hooks(ctx, device, sync, figures["links"]["intra"]["latency_s"])
-    if hooks is not None:
-        figures["engine_hooks"] = hooks
+    figures["engine_hooks"] = {"sac_dispatch_per_op": sac_dispatch(ctx, device, sync)}
+    figures["engine_hooks"].update(deepspeed_hooks(ctx, device, sync, figures["links"]["intra"]["latency_s"]) or {})
     if device != "cuda":
         figures["notes"] = ["host<->device copy not measured: on CPU the device is the host (offload copies are "
                             "RAM copies, charged at the memory copy rate)"]

@@ -16,6 +16,12 @@ while moving only 1.5x the bytes:
 
 FSDP and FSDP2 hook once per wrapped unit (a block), which the collectives' latency already counts.
 
+Per-op selective activation checkpointing (shardfit/sac.py, torchtitan's policy) is a
+TorchDispatchMode: every aten op of a checkpointed block calls the policy in Python, in the forward
+and again in the recompute (measured here: 70 calls per Llama block forward). A CPU device runs that
+Python on the cores that compute, so it adds; a GPU's host issues kernels ahead of the device, so only
+what a block's dispatch takes beyond its kernels' time is exposed (nothing for LLM-sized blocks).
+
 The catalog figures were measured by the published runs themselves (DeepSpeedExamples autotuning,
 16 x V100-32GB DGX-2, DeepSpeed of 2021, fp16, micro-batch 1-3 at seq 1024: benchmarks/
 published_throughput.yaml), where the runs differ in this term alone; `shardfit calibrate` measures
@@ -23,9 +29,12 @@ the installed DeepSpeed on the machine at hand (GPU.measured.hooks), which repla
 """
 from __future__ import annotations
 
+from shardfit.estimate.activations import checkpointed_blocks
+from shardfit.estimate.estimator import precision_regime
+from shardfit.estimate.selective import selective_block_ops
 from shardfit.estimate.states import model_linears
 from shardfit.spec.gpus import GPU
-from shardfit.spec.plan import Plan
+from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
 # Seconds per trained parameter tensor per micro-batch in DeepSpeed's gradient hooks. ZeRO-2 minus
 # ZeRO-1 (same bytes, ZeRO-1 with DeepSpeed's default overlap_comm off has no hooks), tuner metric,
@@ -37,6 +46,10 @@ DS_GRAD_HOOK_S = 150e-6
 # step published against 0.518 s for the rest of the model (bytes, latency, compute, the gradient
 # hooks above) = 1.9 ms per event. One published row: `shardfit calibrate` measures your DeepSpeed.
 DS_ZERO3_FETCH_S = 1.9e-3
+# Seconds of SAC's policy dispatch per aten op on a catalog GPU's host: `shardfit calibrate` on this
+# project's 2-core EPYC VM (torch 2.13): a checkpointed chain of elementwise ops under the SAC context
+# against plain checkpointing, 20-30 us per op. A GPU node's host is a server CPU of the same kind.
+SAC_DISPATCH_S = 25e-6
 
 
 def trained_tensors(plan: Plan) -> int:
@@ -86,3 +99,20 @@ def host_seconds(plan: Plan, gpu: GPU) -> float:
     if plan.strategy.kind == "zero3":
         per_micro_batch += 2 * fetch_units(plan) * fetch
     return per_micro_batch * plan.training.grad_accum
+
+
+def sac_dispatch_seconds(plan: Plan, gpu: GPU, block_forward_s: float) -> float:
+    """Per-op selective checkpointing's policy dispatch per optimizer step on one rank: the block's
+    forward ops, in the forward and in the recompute, over every checkpointed block. block_forward_s:
+    the device time of one block's forward (what a GPU hides the dispatch behind)."""
+    t, m = plan.training, plan.model
+    if not (is_selective_ac(t.activation_checkpointing) and m.has_shape and m.num_layers):
+        return 0.0
+    blocks = checkpointed_blocks(m.num_layers, parse_activation_checkpointing(t.activation_checkpointing))
+    regime = precision_regime(t.precision, plan.strategy.kind, t.lora)
+    ops = selective_block_ops(m, regime, t.attention)
+    per_op = SAC_DISPATCH_S if gpu.measured is None else gpu.measured.hook("sac_dispatch_per_op", SAC_DISPATCH_S)
+    dispatch = ops * per_op
+    on_the_device = gpu.measured is not None and gpu.measured.device == "cpu"
+    exposed = dispatch if on_the_device else max(0.0, dispatch - block_forward_s)
+    return 2 * blocks * exposed * t.grad_accum

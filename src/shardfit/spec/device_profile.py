@@ -16,7 +16,7 @@ from shardfit.spec.gpus import GPU, MeasuredRates
 from shardfit.spec.planfile import json_load_unique, yaml_load_unique
 
 PROFILE_VERSION = 1
-HOOK_NAMES = ("deepspeed_grad_hook", "deepspeed_zero3_fetch")  # the engine_hooks figures the model reads
+HOOK_NAMES = ("deepspeed_grad_hook", "deepspeed_zero3_fetch", "sac_dispatch_per_op")  # the engine_hooks figures the model reads
 FORMAT_KEY = "shardfit_device_profile"  # its value is the version
 
 
@@ -37,8 +37,8 @@ class DeviceProfile:
     optimizer: dict  # {"impl", "params_per_s"}: the engines' optimizer on this device
     cpu_adam: dict  # {"impl", "params_per_s"}: the offload path's CPU Adam
     memory_gib: float  # device memory (RAM on CPU)
-    # {"deepspeed_grad_hook": s, "deepspeed_zero3_fetch": s, "deepspeed": version, ...}: the engine's
-    # host work per tensor / submodule (fit/engine_overhead.py); absent in profiles made before it
+    # {"deepspeed_grad_hook": s, "deepspeed_zero3_fetch": s, "sac_dispatch_per_op": s, "deepspeed":
+    # version, ...}: host work per tensor / submodule / op (fit/engine_overhead.py); absent in older profiles
     engine_hooks: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     version: int = PROFILE_VERSION
