@@ -14,7 +14,7 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 from pathlib import Path
 
@@ -57,7 +57,10 @@ def load_rows(path: Path = TABLE) -> tuple[dict, list[Row]]:
     rows = []
     for raw in data["rows"]:
         gpus, nodes = raw["gpus"], raw["nodes"]
-        plan = Plan(model=load_model_spec(raw["model"]), strategy=parse_strategy(raw["strategy"]),
+        strategy = parse_strategy(raw["strategy"])
+        if "overlap_comm" in raw:
+            strategy = replace(strategy, overlap_comm=bool(raw["overlap_comm"]))
+        plan = Plan(model=load_model_spec(raw["model"]), strategy=strategy,
                     training=Training(micro_batch=raw["micro_batch"], seq_len=raw["seq"],
                                       grad_accum=raw.get("grad_accum", 1), precision=raw["precision"],
                                       activation_checkpointing=raw["ac"], attention=raw.get("attention", "sdpa")),

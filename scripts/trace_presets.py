@@ -1,5 +1,6 @@
 """Write src/shardfit/spec/presets/traced/selective.json: what per-op selective checkpointing keeps per
-block of every shipped preset, per precision regime and attention kernel, traced from each preset's
+block of every shipped preset, and the aten ops a block dispatches (what SAC's policy runs for), per
+precision regime and attention kernel, traced from each preset's
 derived twin (shardfit/estimate/derived.py). The presets' analytic path reads it, so `plan` and `fit`
 of a preset stay torch-free with `--ac selective`; tests/estimate/test_selective.py holds it equal
 to a fresh trace. Run after changing the tracer or the SAC policy:
@@ -28,20 +29,30 @@ def kept(spec, regime: str, attention: str) -> list[float]:
     return [sum(n * k[term] for n, k in zip(counts, kinds)) / layers for term in ("per_token", "per_token_s")]
 
 
-def table(names) -> dict:
-    out = {}
+def block_ops(spec, regime: str, attention: str) -> float:
+    derived = twin(spec)
+    ops = load_coefficients(derived, regime, attention, None)["block_ops"]
+    counts = [count for _, count, _ in derived.block_kinds]
+    return sum(n * k for n, k in zip(counts, ops)) / max(sum(counts), 1)
+
+
+def table(names) -> tuple[dict, dict]:
+    out, ops = {}, {}
     for name in names:
         start = time.perf_counter()
         spec = model_spec_for(name)
-        out[name] = {f"{regime}|{attention}": kept(spec, regime, attention) for regime in REGIMES for attention in ATTENTION}
+        keys = [(regime, attention) for regime in REGIMES for attention in ATTENTION]
+        out[name] = {f"{regime}|{attention}": kept(spec, regime, attention) for regime, attention in keys}
+        ops[name] = {f"{regime}|{attention}": block_ops(spec, regime, attention) for regime, attention in keys}
         print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return out
+    return out, ops
 
 
 if __name__ == "__main__":
     import transformers
 
+    presets, ops = table(preset_names())
     data = {"transformers": transformers.__version__, "per_block_bytes": "[per token, per token x seq]",
-            "presets": table(preset_names())}
+            "presets": presets, "block_ops": ops}
     TARGET.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {TARGET}")

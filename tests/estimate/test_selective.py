@@ -149,3 +149,40 @@ def test_tools_without_a_per_op_setting_say_so():
     for fmt in ("accelerate", "hf-trainer"):
         assert any("no per-op selective checkpointing setting" in note for note in emit(plan, fmt).notes)
     assert not any("per-op" in note for note in emit(plan, "fsdp2").notes)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "qwen3"])
+def test_traced_block_ops_are_the_policy_calls_of_a_real_run(models, name, monkeypatch):
+    # The step-time model charges SAC's per-op dispatch for the ops the trace counts per block
+    # (fake tensors, prim queries left out); a real forward under the policy calls it that often.
+    from shardfit import sac
+    from shardfit.estimate.selective import selective_block_ops
+
+    calls = []
+    keeps = sac.keeps
+    monkeypatch.setattr(sac, "keeps", lambda func, counts, recompute=False: calls.append(recompute) or
+                        keeps(func, counts, recompute))
+    torch.manual_seed(0)
+    spec = load_model_spec(models[name])
+    model = build_model(models[name], dtype="fp32")
+    apply_activation_checkpointing(model, tuple(block_classes(model, spec)), 1, selective=True)
+    ids = torch.randint(0, spec.vocab_size, (2, 64))
+    model(input_ids=ids, labels=ids)
+    per_block = calls.count(False) / spec.num_layers
+    assert selective_block_ops(spec, "fp32", "sdpa") == pytest.approx(per_block, rel=0.1)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_shipped_block_ops_equal_a_fresh_trace(name, tmp_path, monkeypatch):
+    from shardfit.estimate.selective import _selective_block_ops, _shipped_block_ops, selective_block_ops
+
+    monkeypatch.setenv("SHARDFIT_CACHE_DIR", str(tmp_path))
+    shipped = _shipped_block_ops()[name]
+    spec = model_spec_for(name)
+    monkeypatch.setattr("shardfit.estimate.selective._shipped_block_ops", lambda: {})
+    _selective_block_ops.cache_clear()
+    try:
+        for key in ("fp32|sdpa", "half|eager"):
+            assert selective_block_ops(spec, *key.split("|")) == shipped[key], key
+    finally:
+        _selective_block_ops.cache_clear()

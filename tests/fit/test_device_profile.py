@@ -120,3 +120,28 @@ def test_plan_and_fit_commands_use_the_profile_without_torch(tmp_path):
             f"g = load_profile({str(path)!r}).as_gpu(); assert g.measured is not None;"
             f"assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_measured_engine_hooks_replace_the_published_figures(tmp_path):
+    from shardfit.fit.engine_overhead import host_seconds
+
+    hooks = {"deepspeed_grad_hook": 1e-5, "deepspeed_zero3_fetch": 2e-4, "deepspeed": "0.19.8"}
+    profile = _profile(engine_hooks=hooks)
+    loaded = load_profile(save_profile(profile, tmp_path / "p.json"))
+    assert loaded.engine_hooks == hooks
+    plan = _plan().with_changes(strategy={"kind": "zero3"})
+    measured = host_seconds(plan, loaded.as_gpu(memory_gib=1.0))
+    catalog = host_seconds(plan, _profile().as_gpu(memory_gib=1.0))  # no hooks measured: published figures
+    assert 0 < measured < catalog
+
+
+def test_a_profile_without_engine_hooks_still_loads_and_a_negative_hook_is_refused(tmp_path):
+    data = _profile().to_data()
+    data.pop("engine_hooks")
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    assert load_profile(path).engine_hooks == {}
+    data["engine_hooks"] = {"deepspeed_zero3_fetch": -1.0}
+    path.write_text(json.dumps(data))
+    with pytest.raises(ShardfitError, match="engine_hooks.deepspeed_zero3_fetch"):
+        load_profile(path)

@@ -36,6 +36,11 @@ def test_calibrate_profile_round_trip(calibrated, tmp_path):
     assert 0 <= rates.comm_overlap <= 1 and rates.optimizer_params_per_s > 0 and rates.cpu_adam_params_per_s > 0
     assert profile.cpu_adam["impl"].startswith(("deepspeed.ops.adam.DeepSpeedCPUAdam", "torch.optim.AdamW"))
     assert f"{rates.memory_gbs:.1f} GB/s copy" in stdout  # the printed figures are the saved ones
+    # DeepSpeed's hooks measured with the installed DeepSpeed, and what the step-time model reads
+    hooks = profile.engine_hooks
+    assert hooks["deepspeed"] and hooks["deepspeed_grad_hook"] >= 0 and hooks["deepspeed_zero3_fetch"] >= 0
+    assert dict(rates.hooks) == {k: hooks[k] for k in ("deepspeed_grad_hook", "deepspeed_zero3_fetch")}
+    assert "per ZeRO-3 submodule fetch" in stdout
     # fit and plan use the saved rates: fit's predicted step is the step-time model under this profile.
     fitted = json.loads(shardfit("fit", "tiny-llama", "--cpu", "--gpu", "custom:0.02", "--gpus", "2", "--seq", "64",
                                  "--global-batch", "8", "--precision", "fp32", "--device-profile", str(path),
@@ -65,9 +70,9 @@ def test_oracle_reduced_grid_measures_every_candidate_and_the_pick_fits(reduced)
     assert -1 <= reduced["spearman"] <= 1 and 0 < reduced["pick_throughput_ratio"] <= 1
 
 
-@pytest.mark.xfail(strict=False, reason="measured on 2 shared CPU cores, fit's pick (ddp + selective AC) runs far "
-                   "slower than predicted: SAC's per-op dispatch-mode cost and ZeRO-3's per-submodule fetch cost "
-                   "on CPU are not in the step-time model yet (docs/fit.md, the oracle)")
+@pytest.mark.xfail(strict=False, reason="measured on 2 shared CPU cores: the wall clock counts the other jobs on the "
+                   "machine (one plan measured 253 and 801 ms in one run); ZeRO-3's fetches and SAC's per-op dispatch "
+                   "are modelled from calibrate (docs/fit.md, the oracle), the bar is not yet met")
 def test_oracle_reduced_grid_pick_reaches_the_throughput_bar(reduced):
     assert reduced["pick_throughput_ratio"] >= oracle.PICK_BAR, oracle.report(reduced)
 

@@ -122,3 +122,68 @@ def test_offload_costs_host_traffic_and_small_micro_batches_cost_efficiency():
     assert 0 < opt < both < nvme
     assert step_time(plan("zero3+offload"), gpu).total_s > step_time(plan("zero3"), gpu).total_s
     assert efficiency(plan(micro=1, seq=512)) < efficiency(plan(micro=4, seq=2048)) == efficiency(plan(micro=1, seq=8192))
+
+
+def _ds_plan(kind: str, model: str = "gpt2-xl", **strategy) -> Plan:
+    return Plan(model=load_model_spec(model)).with_changes(
+        strategy={"kind": kind, **strategy}, cluster={"nodes": 1, "gpus_per_node": 16, "gpu": "V100-32GB"},
+        training={"micro_batch": 1, "seq_len": 1024, "precision": "fp16", "grad_accum": 2})
+
+
+def test_deepspeed_hooks_cost_per_tensor_and_per_submodule():
+    from shardfit.fit.engine_overhead import DS_GRAD_HOOK_S, DS_ZERO3_FETCH_S, fetch_units, trained_tensors
+
+    gpu = get_gpu("V100-32GB")
+    z1 = step_time(_ds_plan("zero1", overlap_comm=False), gpu)
+    z2 = step_time(_ds_plan("zero2"), gpu)
+    z3 = step_time(_ds_plan("zero3"), gpu)
+    assert z1.host_s == 0.0  # no gradient hooks without overlap_comm (stage_1_and_2.py)
+    plan = _ds_plan("zero2")
+    assert trained_tensors(plan) == 48 * 12 + 4  # GPT-2 block: 4 linears + 2 LayerNorms, weight and bias each
+    assert z2.host_s == pytest.approx(2 * trained_tensors(plan) * DS_GRAD_HOOK_S)  # per micro-batch
+    assert z3.host_s == pytest.approx(z2.host_s + 2 * 2 * fetch_units(plan) * DS_ZERO3_FETCH_S)
+    assert step_time(_ds_plan("fsdp2"), gpu).host_s == 0.0 and step_time(_ds_plan("ddp"), gpu).host_s == 0.0
+    assert z3.total_s == pytest.approx(z3.compute_s + z3.exposed_comm_s + z3.offload_s + z3.optimizer_s + z3.host_s)
+
+
+def test_zero3_all_gathers_coalesce_up_to_the_prefetch_bucket():
+    from shardfit.fit.steptime import comm_parts
+
+    def gathers(bucket: int) -> int:
+        return comm_parts(_ds_plan("zero3", prefetch_bucket_size=bucket))[0].collectives
+
+    n_params = load_model_spec("gpt2-xl").n_params
+    # per forward and micro-batch: parameters / bucket coalesced all-gathers plus the first fetch
+    assert gathers(50_000_000) == 2 * (-(-n_params // 50_000_000) + 1)
+    # a bucket smaller than one MLP linear (1600 x 6400): one all-gather per such submodule at least
+    assert gathers(1_000_000) >= 2 * 48 * 2
+    assert gathers(1_000_000) > gathers(50_000_000)
+
+
+def test_selective_dispatch_adds_on_cpu_and_hides_behind_big_kernels_on_a_gpu():
+    from shardfit.estimate.selective import selective_block_ops
+    from shardfit.fit.engine_overhead import SAC_DISPATCH_S, sac_dispatch_seconds
+
+    def plan(model, ac, gpu="H100-80GB"):
+        return Plan(model=load_model_spec(model)).with_changes(
+            strategy={"kind": "fsdp2"}, cluster={"nodes": 1, "gpus_per_node": 8, "gpu": gpu},
+            training={"micro_batch": 1, "seq_len": 4096 if model.startswith("llama") else 64, "precision": "bf16",
+                      "activation_checkpointing": ac, "grad_accum": 2})
+
+    h100 = get_gpu("H100-80GB")
+    big = plan("llama-3.1-8b", "selective")
+    assert step_time(big, h100).host_s == 0.0  # a block's kernels take far longer than its ~70 dispatches
+    tiny = plan("tiny-llama", "selective")
+    ops = selective_block_ops(tiny.model, "half", "sdpa")
+    assert 60 <= ops <= 90
+    exposed = step_time(tiny, h100).host_s
+    assert 0 < exposed <= 2 * 4 * ops * SAC_DISPATCH_S * 2  # forward + recompute, 4 blocks, accumulation 2
+    assert step_time(plan("tiny-llama", "full"), h100).host_s == 0.0
+    # on a CPU device the dispatch runs on the cores that compute: all of it adds
+    from shardfit.spec.gpus import MeasuredRates
+    from dataclasses import replace as dc_replace
+    rates = MeasuredRates(device="cpu", matmul=(("bf16", 64, 64, 1e-3),), memory_gbs=5.0, links=(("intra", 1.0, 1e-4),),
+                          comm_overlap=0.0, host_link_gbs=None, optimizer_params_per_s=1e8, cpu_adam_params_per_s=1e8,
+                          hooks=(("sac_dispatch_per_op", 40e-6),))
+    cpu = dc_replace(h100, measured=rates)
+    assert sac_dispatch_seconds(tiny, cpu, block_forward_s=1.0) == pytest.approx(2 * 4 * ops * 40e-6 * 2)

@@ -77,4 +77,13 @@ def summary(profile: DeviceProfile) -> list[str]:
             f"overlap    {profile.comm_overlap:.0%} of a collective hides behind compute",
             f"host link  {host}",
             f"optimizer  {profile.optimizer['impl']}: {profile.optimizer['params_per_s'] / 1e6:.0f} M params/s",
-            f"CPU Adam   {profile.cpu_adam['impl']}: {profile.cpu_adam['params_per_s'] / 1e6:.0f} M params/s"]
+            f"CPU Adam   {profile.cpu_adam['impl']}: {profile.cpu_adam['params_per_s'] / 1e6:.0f} M params/s",
+            hooks_line(profile.engine_hooks)]
+
+
+def hooks_line(hooks: dict) -> str:
+    sac = (f"SAC {hooks['sac_dispatch_per_op'] * 1e6:.1f} us per op; " if "sac_dispatch_per_op" in hooks else "")
+    if "deepspeed_grad_hook" not in hooks:
+        return f"hooks      {sac}DeepSpeed's not measured (fit uses the published per-hook figures)"
+    return (f"hooks      {sac}DeepSpeed {hooks.get('deepspeed', '?')}: {hooks['deepspeed_grad_hook'] * 1e6:.0f} us "
+            f"per gradient hook, {hooks['deepspeed_zero3_fetch'] * 1e6:.0f} us per ZeRO-3 submodule fetch")

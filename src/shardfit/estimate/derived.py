@@ -166,6 +166,9 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             self.params, self.casts, self.timeline = params, set(), timeline
             self.kept: dict = {}  # part -> {(storage key, creating op): bytes}
             self.counts: dict = {}
+            # part -> aten ops dispatched. NOTE: fake tensors also dispatch prim.device queries (~130
+            # per Llama block) that a real run never does; those are not counted.
+            self.ops: dict = defaultdict(int)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -174,6 +177,8 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             part = state["part"]
             outputs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
             self.timeline.op(part, outputs, str(func))
+            if getattr(func, "namespace", "aten") != "prim":
+                self.ops[part] += 1
             if isinstance(part, int) and sac.keeps(func, self.counts.setdefault(part, defaultdict(int))):
                 for tensor in outputs:
                     # NOTE: keyed by storage and the op that created it: a freed storage's key is reused.
@@ -184,6 +189,7 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
     kept: dict = {}
     copies: dict = {}
     instants: dict = {}  # (b, s) -> {block index: [(saved, temporaries) per op]}
+    ops: dict = {}  # block index -> aten ops its forward dispatches (the same at every shape)
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialize(model)
         params = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
@@ -223,14 +229,15 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             measured[(b, s)] = parts
             instants[(b, s)] = {part: timeline.block_instants(part, saved, recorder.casts) for part in timeline.blocks}
             kept[(b, s)] = {part: sum(sizes.values()) for part, sizes in recorder.kept.items()}
+            ops = dict(recorder.ops)
             copies = weight
             keep.clear()
     return _coefficients(measured, kept, copies, kinds, points,
-                         getattr(model.config, "_experts_implementation", None) or "", instants)
+                         getattr(model.config, "_experts_implementation", None) or "", instants, ops)
 
 
 def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str,
-                  instants: dict) -> dict:
+                  instants: dict, ops: dict) -> dict:
     fit_points, check = points[:-1], points[-1]
 
     def solve(part, table=measured):
@@ -259,6 +266,9 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
             "first_extra": as_float(extra), "check_error": error, "experts": experts,
             # What per-op selective checkpointing keeps in each kind's block (beyond its input).
             "selective_kinds": [as_float(solve(last[k], kept)) for k in range(n_kinds)],
+            # The aten ops each kind's block dispatches in forward: what per-op selective checkpointing's
+            # policy runs for, in forward and again in the recompute (fit/engine_overhead.py).
+            "block_ops": [int(ops.get(last[k], 0)) for k in range(n_kinds)],
             # The peak instants inside each kind's block, split as the tracker files them.
             "forward_inside": [[{name: as_float(c) for name, c in instant.items()} for instant in
                                 peak_instants({p: instants[p][last[k]] for p in points}, fit_points, check,

@@ -33,10 +33,36 @@ def _selective_kept(model, regime, attention, lora) -> tuple[float, float]:
             sum(n * k["per_token_s"] for n, k in zip(counts, kinds)) / layers)
 
 
+def selective_block_ops(model, regime: str, attention: str) -> float:
+    """Aten ops one block dispatches in forward (averaged over the block kinds): per-op selective
+    checkpointing's policy runs for each, in the forward and again in the recompute. Shipped for the
+    presets; a derived spec's come with its traced coefficients (0 where an old cache lacks them)."""
+    return _selective_block_ops(model, regime, attention)
+
+
+@lru_cache(maxsize=256)
+def _selective_block_ops(model, regime, attention) -> float:
+    shipped = _shipped_block_ops().get(model.source) if not model.derived else None
+    if shipped is not None:
+        return float(shipped[f"{regime}|{attention}"])
+    derived = model if model.derived else twin(model)
+    ops = load_coefficients(derived, regime, attention, None).get("block_ops") or []
+    counts = [count for _, count, _ in derived.block_kinds]
+    return sum(n * k for n, k in zip(counts, ops)) / max(sum(counts), 1) if ops else 0.0
+
+
 def selective_available(model) -> bool:
     """Whether selective checkpointing can be estimated without an error: a shipped preset or a
     derived spec's cache, else a trace, which needs torch (checked without importing it)."""
     return model.source in _shipped_selective() or find_spec("torch") is not None
+
+
+@lru_cache(maxsize=1)
+def _shipped_block_ops() -> dict:
+    try:
+        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text()).get("block_ops", {})
+    except (OSError, ValueError):
+        return {}
 
 
 @lru_cache(maxsize=1)

@@ -49,6 +49,9 @@ def _why(cause: str, c, best) -> str:
         return "more compute per step"
     if cause == "offload":
         return "host-link traffic and CPU optimizer steps every step"
+    if cause == "host":
+        return (f"DeepSpeed's per-tensor / per-submodule hooks take {t.host_s * 1000:,.0f} ms per step vs "
+                f"{b.host_s * 1000:,.0f} ms (ZeRO-3 fetches each partitioned submodule in forward and backward)")
     return "a slower optimizer update"
 
 
@@ -68,7 +71,8 @@ def slower_reason(c, best) -> str:
     if ratio <= 1 + TIE:
         return f"{head} and is about as fast (x{ratio:.2f}), but {best.family} comes first in the field's order"
     deltas = {"comm": t.exposed_comm_s - b.exposed_comm_s, "compute": t.compute_s - b.compute_s,
-              "offload": t.offload_s - b.offload_s, "optimizer": t.optimizer_s - b.optimizer_s}
+              "offload": t.offload_s - b.offload_s, "optimizer": t.optimizer_s - b.optimizer_s,
+              "host": t.host_s - b.host_s}
     worse = sum(d for d in deltas.values() if d > 0)
     causes = [k for k in sorted(deltas, key=deltas.get, reverse=True) if deltas[k] > 0 and deltas[k] >= 0.25 * worse]
     return f"{head} but a step takes x{ratio:.2f} as long: " + "; ".join(_why(k, c, best) for k in causes[:2])

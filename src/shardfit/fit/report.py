@@ -13,7 +13,8 @@ def _s(seconds: float) -> str:
 def _step(c, world: int, gpu) -> str:
     t = c.time
     return (f"{_s(t.total_s)}/step (compute {_s(t.compute_s)}, communication {_s(t.exposed_comm_s)} exposed of "
-            f"{_s(t.comm_s)}, offload {_s(t.offload_s)}, optimizer {_s(t.optimizer_s)}); "
+            f"{_s(t.comm_s)}, offload {_s(t.offload_s)}, optimizer {_s(t.optimizer_s)}"
+            + (f", engine hooks {_s(t.host_s)}" if t.host_s else "") + "); "
             f"{t.tokens_per_s(world):,.0f} tokens/s, MFU {t.mfu(gpu):.0%}")
 
 
@@ -71,7 +72,7 @@ def _candidate(c, world, gpu) -> dict:
             "host_bytes_per_node": c.host_bytes, "nvme_bytes_per_node": c.nvme_bytes,
             "step_s": round(t.total_s, 6), "compute_s": round(t.compute_s, 6), "comm_s": round(t.comm_s, 6),
             "exposed_comm_s": round(t.exposed_comm_s, 6), "offload_s": round(t.offload_s, 6),
-            "optimizer_s": round(t.optimizer_s, 6), "tokens_per_s": round(t.tokens_per_s(world), 1),
+            "optimizer_s": round(t.optimizer_s, 6), "host_s": round(t.host_s, 6), "tokens_per_s": round(t.tokens_per_s(world), 1),
             "mfu": round(t.mfu(gpu), 4)}
 
 

@@ -1,6 +1,7 @@
 """Step-time model: ranks plans by predicted seconds per optimizer step. Analytic; no torch.
 
-time = compute + exposed communication + offload traffic + optimizer update, per rank. It ranks
+time = compute + exposed communication + offload traffic + optimizer update + the engine's hook
+work, per rank. It ranks
 plans against each other; it is not a promise of absolute speed (`fit --verify` measures that).
 Every constant below says where it comes from.
 
@@ -17,6 +18,7 @@ from shardfit.errors import ShardfitError
 
 from shardfit.estimate.states import lora_adapter_params, model_linears
 from shardfit.estimate.traffic import micro_batch_traffic_bytes
+from shardfit.fit.engine_overhead import host_seconds, sac_dispatch_seconds
 from shardfit.fit.measured import measured_matmul_flops
 from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
@@ -66,6 +68,7 @@ class StepTime:
     exposed_comm_s: float  # the part not hidden behind compute
     offload_s: float
     optimizer_s: float
+    host_s: float  # engine hooks per tensor / submodule, SAC's per-op dispatch (fit/engine_overhead.py)
     tokens: int  # tokens per rank per optimizer step
     flops: float  # per rank per optimizer step, including recompute
     model_flops: float  # per rank, without recompute (what MFU counts)
@@ -74,7 +77,7 @@ class StepTime:
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.offload_s + self.optimizer_s
+        return self.compute_s + self.exposed_comm_s + self.offload_s + self.optimizer_s + self.host_s
 
     def tokens_per_s(self, world_size: int) -> float:
         return self.tokens * world_size / self.total_s if self.total_s > 0 else 0.0
@@ -230,18 +233,19 @@ def comm_parts(plan: Plan) -> list[CommPart]:
     # Sharded parameters (ZeRO-3, FSDP, FSDP2): all-gather ahead of each unit's forward, again in
     # backward unless kept gathered, and reduce-scatter the gradients, for every micro-batch.
     regather = s.regathers_in_backward(m.n_params)
-    units = _gather_units(plan)
+    gathers, reductions = _gather_collectives(plan), _reduce_collectives(plan)
     group = _shard_group(plan)
     if group < n:
         # Hybrid: shard inside the group over fast links, all-reduce the shards across groups.
         inner = (group - 1) / group
         replicas = n // group
-        return [CommPart("intra", weights * inner * accum, units * accum, WINDOW_FORWARD),
-                CommPart("intra", (weights * regather + grads) * inner * accum, units * (1 + regather) * accum,
+        return [CommPart("intra", weights * inner * accum, gathers * accum, WINDOW_FORWARD),
+                CommPart("intra", (weights * regather + grads) * inner * accum, (gathers * regather + reductions) * accum,
                          WINDOW_BACKWARD),
-                CommPart("nic", 2 * grads / group * (replicas - 1) / replicas * accum, units * accum, WINDOW_BACKWARD)]
-    return [CommPart(link, weights * ring * accum, units * accum, WINDOW_FORWARD),
-            CommPart(link, (weights * regather + grads) * ring * accum, units * (1 + regather) * accum, WINDOW_BACKWARD)]
+                CommPart("nic", 2 * grads / group * (replicas - 1) / replicas * accum, reductions * accum, WINDOW_BACKWARD)]
+    return [CommPart(link, weights * ring * accum, gathers * accum, WINDOW_FORWARD),
+            CommPart(link, (weights * regather + grads) * ring * accum, (gathers * regather + reductions) * accum,
+                     WINDOW_BACKWARD)]
 
 
 def comm_volume(plan: Plan) -> dict[str, tuple[float, int]]:
@@ -253,13 +257,27 @@ def comm_volume(plan: Plan) -> dict[str, tuple[float, int]]:
     return out
 
 
-def _gather_units(plan: Plan) -> int:
-    """Collectives per gather pass: FSDP gathers one wrapped block at a time; DeepSpeed ZeRO-3 fetches
-    each submodule that owns partitioned parameters (every block linear), plus the root's."""
-    m = plan.model
-    if plan.strategy.kind == "zero3" and m.has_shape and m.num_layers:
-        return max(sum(count for *_, count in model_linears(m)), m.num_layers) + 1
-    return (m.num_layers or 1) + 1
+def _gather_collectives(plan: Plan) -> int:
+    """All-gathers per gather pass. FSDP gathers one wrapped block at a time (plus the root). DeepSpeed
+    ZeRO-3 fetches submodule by submodule but coalesces: each fetch also prefetches the next
+    submodules' parameters up to stage3_prefetch_bucket_size elements in one all_gather_coalesced
+    (partitioned_param_coordinator.fetch_sub_module), so a pass issues about parameters / bucket
+    all-gathers, or one per submodule where a submodule alone exceeds the bucket."""
+    m, s = plan.model, plan.strategy
+    if s.kind != "zero3":
+        return (m.num_layers or 1) + 1
+    bucket = max(s.prefetch_bucket_size, 1)
+    oversized = sum(n for _, i, o, n in model_linears(m) if i * o >= bucket) if m.has_shape else 0
+    return max(-(-m.n_params // bucket), oversized, 1) + 1
+
+
+def _reduce_collectives(plan: Plan) -> int:
+    """Gradient reductions per backward: one per FSDP unit; ZeRO-3 fills reduce_bucket_size-element
+    buckets (stage3.py __reduce_and_partition_ipg_grads)."""
+    s = plan.strategy
+    if s.kind != "zero3":
+        return (plan.model.num_layers or 1) + 1
+    return max(-(-trained_params(plan) // max(s.reduce_bucket_size, 1)), 1)
 
 
 def _shard_group(plan: Plan) -> int:
@@ -348,6 +366,7 @@ def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
     memory = memory_seconds(plan, gpu)
     compute = flops / rate + memory
     backward = compute * backward_share(plan)
+    block_forward = (compute - backward) / t.grad_accum / max(plan.model.num_layers, 1)
     hide_behind = {WINDOW_FORWARD: compute - backward, WINDOW_BACKWARD: backward,
                    WINDOW_BOUNDARY: backward / t.grad_accum, WINDOW_NONE: 0.0}
     comm_total = exposed = comm_bytes = 0.0
@@ -364,5 +383,6 @@ def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
         exposed += fill + max(rest - overlap * hide_behind[part.window], (1 - overlap) * rest)
     return StepTime(compute_s=compute, memory_s=memory, comm_s=comm_total, exposed_comm_s=exposed,
                     offload_s=offload_seconds(plan, gpu), optimizer_s=optimizer_seconds(plan, gpu),
+                    host_s=host_seconds(plan, gpu) + sac_dispatch_seconds(plan, gpu, block_forward),
                     tokens=t.micro_batch * t.seq_len * t.grad_accum,
                     flops=flops, model_flops=model_flops, comm_bytes=comm_bytes, efficiency=eff)

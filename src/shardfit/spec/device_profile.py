@@ -16,6 +16,7 @@ from shardfit.spec.gpus import GPU, MeasuredRates
 from shardfit.spec.planfile import json_load_unique, yaml_load_unique
 
 PROFILE_VERSION = 1
+HOOK_NAMES = ("deepspeed_grad_hook", "deepspeed_zero3_fetch", "sac_dispatch_per_op")  # the engine_hooks figures the model reads
 FORMAT_KEY = "shardfit_device_profile"  # its value is the version
 
 
@@ -36,6 +37,9 @@ class DeviceProfile:
     optimizer: dict  # {"impl", "params_per_s"}: the engines' optimizer on this device
     cpu_adam: dict  # {"impl", "params_per_s"}: the offload path's CPU Adam
     memory_gib: float  # device memory (RAM on CPU)
+    # {"deepspeed_grad_hook": s, "deepspeed_zero3_fetch": s, "sac_dispatch_per_op": s, "deepspeed":
+    # version, ...}: host work per tensor / submodule / op (fit/engine_overhead.py); absent in older profiles
+    engine_hooks: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     version: int = PROFILE_VERSION
 
@@ -48,7 +52,8 @@ class DeviceProfile:
             comm_overlap=float(self.comm_overlap),
             host_link_gbs=None if self.host_link_gbs is None else float(self.host_link_gbs),
             optimizer_params_per_s=float(self.optimizer["params_per_s"]),
-            cpu_adam_params_per_s=float(self.cpu_adam["params_per_s"]))
+            cpu_adam_params_per_s=float(self.cpu_adam["params_per_s"]),
+            hooks=tuple((name, float(self.engine_hooks[name])) for name in HOOK_NAMES if name in self.engine_hooks))
 
     def as_gpu(self, memory_gib: float | None = None) -> GPU:
         """The GPU the step-time model consumes: the measured rates, and the memory of `memory_gib`
@@ -90,7 +95,7 @@ def profile_from_data(data, path="(data)") -> DeviceProfile:
     if missing:
         raise ShardfitError(f"device profile {path} lacks '{missing[0]}': rerun `shardfit calibrate`")
     try:
-        fields = {key: data[key] for key in (*_REQUIRED, "notes") if key in data}
+        fields = {key: data[key] for key in (*_REQUIRED, "engine_hooks", "notes") if key in data}
         profile = DeviceProfile(**fields)
         rates = profile.rates()
     except (TypeError, KeyError, ValueError, AttributeError) as exc:
@@ -110,6 +115,9 @@ def profile_from_data(data, path="(data)") -> DeviceProfile:
     _positive(rates.optimizer_params_per_s, "optimizer.params_per_s", path)
     _positive(rates.cpu_adam_params_per_s, "cpu_adam.params_per_s", path)
     _positive(profile.memory_gib, "memory_gib", path)
+    for name, seconds in rates.hooks:
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ShardfitError(f"device profile {path}: engine_hooks.{name} must be >= 0 seconds, got {seconds}")
     return profile
 
 

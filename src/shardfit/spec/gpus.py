@@ -23,10 +23,17 @@ class MeasuredRates:
     host_link_gbs: float | None  # pinned host<->device copy; None where the device is the host (CPU)
     optimizer_params_per_s: float  # the engines' own optimizer (torch AdamW) on this device
     cpu_adam_params_per_s: float  # the offload path's CPU Adam (DeepSpeed's, or torch's AdamW)
+    # (name, seconds) of an engine's host work per tensor / submodule (fit/engine_overhead.py);
+    # empty where calibrate did not measure them (the catalog figures are used then)
+    hooks: tuple[tuple[str, float], ...] = ()
 
     def link(self, name: str) -> tuple[float, float] | None:
         """(GB/s, latency s) of a measured link, None when calibrate did not measure it."""
         return next(((gbs, latency) for link, gbs, latency in self.links if link == name), None)
+
+    def hook(self, name: str, default: float) -> float:
+        """Seconds of a measured engine hook, or `default` when calibrate did not measure it."""
+        return next((seconds for hook, seconds in self.hooks if hook == name), default)
 
 
 @dataclass(frozen=True, kw_only=True)
