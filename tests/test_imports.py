@@ -4,7 +4,7 @@ name, instead of hiding behind a function-local import:
 - every module imports (in one fresh interpreter, in order);
 - the module-level import graph has no cycle;
 - no stage imports a higher one (spec -> estimate -> fit -> emit; spec -> engines -> train -> bench;
-  measure beside; commands/ and cli.py on top);
+  measure beside; integrations/ above them; commands/ and cli.py on top);
 - a function-local shardfit import is only there to keep torch (transformers, deepspeed, yaml,
   numpy, matplotlib) out of a module that does not need it at import time;
 - the analytic stages import without torch.
@@ -40,6 +40,9 @@ ALLOWED = {
     "measure": {"engines", "modeling", "fit", "estimate", "spec", "data", "launcher", *LEAVES},
     "train": {"measure", "engines", "modeling", "fit", "estimate", "spec", "data", "launcher", *LEAVES},
     "bench": {"train", "measure", "engines", "modeling", "fit", "estimate", "spec", "data", "launcher", *LEAVES},
+    # on top of every stage but the shell: callbacks inside the user's own trainer
+    "integrations": {"doctor", "bench", "train", "measure", "engines", "modeling", "emit", "fit", "estimate", "spec",
+                     "data", "launcher", *LEAVES},
     "__init__": {"measure"},  # shardfit.profile, lazily
 }
 

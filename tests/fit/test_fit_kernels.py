@@ -41,11 +41,24 @@ def test_fit_turns_the_chunked_loss_on_when_nothing_fits_without_it():
 
 
 def test_chunked_loss_stays_off_where_the_standard_loss_fits():
+    # One sequence per GPU at seq 2048: every setting fits its largest micro-batch with the standard loss.
     result = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
-                            global_batch=64))
+                            global_batch=8))
     assert result.best.plan.training.loss == "standard"
     assert all(c.plan.training.loss == "standard" for c in result.alternatives)
     assert not any(n.startswith("chunked cross-entropy") for n in result.notes)
+
+
+def test_a_chunked_candidate_is_one_the_standard_loss_does_not_fit():
+    # Eight sequences per GPU: the chunked loss lets AC none fit micro-batch 4 (and is then fastest); every
+    # chunked candidate is a setting whose micro-batch does not fit with the standard loss.
+    result = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
+                            global_batch=64))
+    chunked = [c for c in (result.best, *result.alternatives) if c.plan.training.loss == "chunked"]
+    assert chunked
+    for cand in chunked:
+        standard = cand.plan.with_changes(training={"loss": "standard"})
+        assert estimate(standard).device_peak_bytes > result.usable_bytes >= cand.peak_bytes
 
 
 def test_the_chunked_rung_costs_the_heads_recompute():
@@ -62,9 +75,11 @@ def test_fused_adamw_turns_a_no_fit_into_a_fit():
     # Llama-3.1-70B on 8 x B200 at seq 2048 (FSDP engines): foreach's step scratch (a full copy of the
     # AdamW states, 70.6B/8 x 4 B) puts fsdp2 over the limit; the fused step has none.
     request = dict(model=load_model_spec("llama-3.1-70b"), gpu="B200", gpus_per_node=8, seq_len=2048, engines=("fsdp",))
-    foreach = fit(FitRequest(**request, optimizer_impl="foreach"))
+    # the state rungs (8-bit AdamW, pure bf16) off: with them foreach fits pure bf16 before offload
+    foreach = fit(FitRequest(**request, optimizer_impl="foreach", rungs=()))
     fused = fit(FitRequest(**request))
     assert foreach.best.plan.strategy.offload_params == "cpu"  # without the fused step only offload fits
+    assert not fused.best.rung  # the fused step fits with full-precision states: no rung is climbed
     assert fused.best.family == "fsdp2" and fused.best.plan.training.optimizer_impl == "fused"
     as_foreach = estimate(fused.best.plan.with_changes(training={"optimizer_impl": "foreach"}))
     assert as_foreach.device_peak_bytes > fused.usable_bytes >= fused.best.peak_bytes

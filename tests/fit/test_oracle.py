@@ -39,8 +39,10 @@ def test_calibrate_profile_round_trip(calibrated, tmp_path):
     # DeepSpeed's hooks measured with the installed DeepSpeed, and what the step-time model reads
     hooks = profile.engine_hooks
     assert hooks["deepspeed"] and hooks["deepspeed_grad_hook"] >= 0 and hooks["deepspeed_zero3_fetch"] >= 0
-    assert dict(rates.hooks) == {k: hooks[k] for k in ("deepspeed_grad_hook", "deepspeed_zero3_fetch")}
-    assert "per ZeRO-3 submodule fetch" in stdout
+    assert hooks["sac_dispatch_per_op"] > 0  # SAC's policy call per aten op, timed on this device
+    assert dict(rates.hooks) == {k: hooks[k] for k in ("deepspeed_grad_hook", "deepspeed_zero3_fetch",
+                                                       "sac_dispatch_per_op")}
+    assert "per ZeRO-3 submodule fetch" in stdout and "us per op" in stdout
     # fit and plan use the saved rates: fit's predicted step is the step-time model under this profile.
     fitted = json.loads(shardfit("fit", "tiny-llama", "--cpu", "--gpu", "custom:0.02", "--gpus", "2", "--seq", "64",
                                  "--global-batch", "8", "--precision", "fp32", "--device-profile", str(path),

@@ -60,8 +60,10 @@ def test_a_pinned_strategy_is_the_only_one_searched(capsys):
     assert doc["best"]["strategy"] == "fsdp:no_shard"
 
 
+# --loss standard: the chunked loss would let micro-batch 4 fit under fsdp2 (AC full), and nothing else would
 @pytest.mark.parametrize("pins,dropped", [(["--ac", "none"], "drop --ac"),
-                                          (["--micro-batch", 4, "--strategy", "fsdp2"], "drop --micro-batch")])
+                                          (["--micro-batch", 4, "--strategy", "fsdp2", "--loss", "standard"],
+                                           "drop --micro-batch")])
 def test_a_pin_that_makes_nothing_fit_is_one_line(capsys, pins, dropped):
     code, out, err = run(capsys, *BASE, *pins)
     if pins[0] == "--ac":  # --ac none fits, with offload: pinning the strategy too makes nothing fit

@@ -96,3 +96,28 @@ def test_lightning_strategies_are_read_as_shardfit_strategies(make, label):
 
     strategy, _ = lightning_strategy(SimpleNamespace(strategy=make(ls), world_size=2))
     assert strategy.label == label
+
+
+def test_a_model_without_a_config_is_counted_from_its_tensors():
+    import torch
+
+    from shardfit.integrations.model_spec import spec_of_model
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16), Block(), Block(), torch.nn.Linear(16, 100))
+    wrapped = type("Wrapper", (torch.nn.Module,), {})()
+    wrapped.module = model  # a DDP-like wrapper: the user's module is under .module
+    spec = spec_of_model(wrapped)
+    assert spec.n_params == sum(p.numel() for p in model.parameters())
+    assert spec.name == "Sequential" and spec.family == "module"
+
+
+def test_a_models_config_gives_the_same_spec_as_plan(model):
+    from shardfit.integrations.model_spec import spec_of_model
+    from shardfit.spec.models import load_model_spec
+
+    assert spec_of_model(model).n_params == load_model_spec("tiny-llama").n_params

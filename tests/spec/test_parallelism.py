@@ -123,3 +123,18 @@ def test_strategies_that_do_not_compose_are_refused():
 def test_few_microbatches_and_uneven_layers_warn():
     warnings = validate_plan(plan(tp=8, pp=8))
     assert any("bubble" in w for w in warnings) and any("middle stages" in w for w in warnings)
+
+
+def test_fsdp2_embedding_units_under_tp_stay_in_the_root():
+    # The rank-local estimate keeps the vocab-sharded embedding and head in the root unit under tp > 1
+    # (engines/fsdp2.py wraps them so): asking for separate units there is one line, auto is root.
+    from dataclasses import replace
+
+    from shardfit.estimate.estimator import estimate
+
+    tp = plan(tp=8)
+    separate = replace(tp, strategy=replace(tp.strategy, embedding_units="separate"))
+    with pytest.raises(ShardfitError, match="not modelled under tensor parallelism"):
+        validate_plan(separate)
+    root = replace(tp, strategy=replace(tp.strategy, embedding_units="root"))
+    assert estimate(tp).peak_bytes == estimate(root).peak_bytes

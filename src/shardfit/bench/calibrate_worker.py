@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardfit import sac
 from shardfit.runtime_env import extensions_dir
 
 # Shapes per device: CPU ranks run thin matmuls at a few GFLOP/s; a GPU needs LLM-sized ones.
@@ -303,7 +304,6 @@ def sac_dispatch(ctx, device: str, sync) -> float:
     from torch.utils.checkpoint import checkpoint
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from shardfit import sac
 
     def chain(x):
         for _ in range(SAC_CHAIN):

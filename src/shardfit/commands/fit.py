@@ -19,6 +19,8 @@ from shardfit.spec.plan import Plan, Schedule
 from shardfit.spec.planfile import dump_plan
 from shardfit.commands.setup_flags import add_setup_arguments, plan_from_args
 from shardfit.spec.sizes import gib_type
+from shardfit.estimate.estimator import estimate
+from shardfit.units import fmt_bytes
 
 
 def add_arguments(parser) -> None:
@@ -146,7 +148,6 @@ def _from_setup(args, request):
     override them); returns (request, the setup's plan or None)."""
     from dataclasses import replace
 
-    from shardfit.spec.gpus import split_gpus
 
     given_gpus = args.gpus if args.gpus != 8 or args.nodes else None
     given_seq = args.seq if args.seq != 2048 else None
@@ -166,8 +167,6 @@ def _from_setup(args, request):
 
 def _setup_line(plan, request, result) -> str:
     """How the setup as given does, next to what fit found."""
-    from shardfit.estimate.estimator import estimate
-    from shardfit.measure.report import fmt_bytes
 
     est = estimate(plan, device=request.device)
     peak = est.device_peak_bytes if request.device == "cuda" else est.peak_bytes

@@ -11,7 +11,7 @@ from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_fr
 from shardfit.commands.setup_flags import add_setup_arguments, plan_from_args, setup_paths
 from shardfit.commands.parallel_flags import add_parallel_arguments, parallelism_from_args
 from shardfit.errors import ShardfitError
-from shardfit.estimate import report
+from shardfit.estimate import parallel_report, report
 from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, estimate, OPTIMIZER_IMPLS
 from shardfit.fit.steptime import step_time
 from shardfit.spec.device_profile import load_profile
@@ -205,7 +205,6 @@ def run(args) -> int:
             times[strategy.label] = _step_seconds(candidate, profile)
     if not rows:
         raise no_valid_strategy(skipped)
-    from shardfit.estimate import parallel_report
     layout_strategies = [s for s, _ in strategies_for(args, plan) if s.label in dict(rows)]
     options = {"accounting": args.accounting, "device": args.device, "checkpoint": args.checkpoint,
                "optimizer_impl": args.optimizer_impl}

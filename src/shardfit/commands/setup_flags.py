@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from shardfit.integrations.setup_plan import check_kind, plan_from_files
+
 # flag -> (argparse dest, what the file must read as)
 SETUP_FLAGS = {"--from-trainer-args": ("from_trainer_args", ("hf-trainer",)),
                "--from-accelerate-config": ("from_accelerate_config", ("accelerate",)),
@@ -22,7 +24,6 @@ def add_setup_arguments(parser) -> None:
 
 def setup_paths(args) -> list[str]:
     """The setup files given, each checked to be what its flag says (one line otherwise)."""
-    from shardfit.integrations.setup_plan import check_kind
 
     paths = []
     for flag, (dest, kinds) in SETUP_FLAGS.items():
@@ -38,7 +39,6 @@ def plan_from_args(args, model, base=None, **known):
     paths = setup_paths(args)
     if not paths:
         return None
-    from shardfit.integrations.setup_plan import plan_from_files
 
     result = plan_from_files(paths, model, base=base, **{k: v for k, v in known.items() if v is not None})
     print("read: " + ", ".join(f"{path} ({kind})" for path, kind in result.files), file=sys.stderr)

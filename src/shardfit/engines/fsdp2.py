@@ -18,7 +18,9 @@ def embedding_units(plan, model):
     """(token embedding, output head) modules to wrap as units of their own, or (None, None) to leave
     them in the root. The model's own tie decides too: a head whose weight is the embedding's is one
     parameter, which one unit must own."""
-    if not separate_embedding_units(plan.strategy, plan.model):
+    if not separate_embedding_units(plan.strategy, plan.model) or plan.parallelism.tp > 1:
+        # NOTE: under TP the rank-local estimate (estimate/model_parallel.py) keeps the vocab-sharded
+        # embedding and head in the root unit; torchtitan's separate units there are not modelled yet.
         return None, None
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if embedding is None or head is None or embedding.weight is head.weight:

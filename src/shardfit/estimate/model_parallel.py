@@ -95,6 +95,8 @@ def local_plan(plan, layout: Layout, model: ModelSpec):
     ranks, shard = layout.dp * layout.cp, layout.dp_shard * layout.cp
     nodes = c.nodes if ranks % c.nodes == 0 else 1
     cluster = Cluster(nodes=nodes, gpus_per_node=ranks // nodes, gpu=c.gpu, host_memory_gib=c.host_memory_gib)
+    if s.kind == "fsdp2" and layout.tp > 1:
+        s = replace(s, embedding_units="root")  # what engines/fsdp2.py wraps under TP (spec/fsdp_units.py)
     if s.kind == "fsdp2" and 1 < shard < ranks:
         s = replace(s, sharding="hybrid_shard", shard_group_size=shard)
     elif s.kind == "fsdp2":

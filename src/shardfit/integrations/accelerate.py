@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardfit.doctor.setup import Setup, from_accelerate
 from shardfit.integrations.model_spec import spec_of_model
 from shardfit.integrations.session import MemorySession
 from shardfit.integrations.setup_plan import plan_from_setup
@@ -50,7 +51,6 @@ def accelerate_facts(accelerator) -> dict:
 
 def accelerate_plan(accelerator, model, batch_shape=None):
     """(Plan, assumed lines) of a prepared Accelerate loop."""
-    from shardfit.doctor.setup import Setup, from_accelerate
 
     facts = from_accelerate(accelerate_facts(accelerator), Path("."))
     setup = Setup(**{k: v for k, v in facts.items() if k in Setup.__dataclass_fields__ and v is not None})

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from shardfit.emit.accelerate import emit_accelerate
 from shardfit.emit.common import EmitOptions
 from shardfit.emit.deepspeed import deepspeed_config
 from shardfit.emit.trainers import _HF_OPTIM, _LIGHTNING_PRECISION, training_arguments
@@ -114,7 +115,6 @@ def accelerate_arguments(changes: dict, changed_plan, out_dir) -> dict:
     if "optimizer" in training:
         args["optimizer"] = "bitsandbytes.optim.AdamW8bit" if training["optimizer"] == "adamw8bit" else training["optimizer"]
     if "strategy" in changes:
-        from shardfit.emit.accelerate import emit_accelerate
 
         emitted = emit_accelerate(changed_plan, EmitOptions(out_dir=str(out_dir)))
         path = Path(out_dir) / f"shardfit-fix-{_file_label(changed_plan)}.yaml"

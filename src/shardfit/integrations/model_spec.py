@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.factory import spec_from_module
+from shardfit.spec.models import spec_from_hf_config
 
 
 def _unwrap(model):
@@ -16,8 +18,7 @@ def _unwrap(model):
 
 
 def spec_of_model(model):
-    from shardfit.spec.models import spec_from_hf_config
-
+    """The spec of a built (possibly wrapped) model: from its config, else counted from its tensors."""
     model = _unwrap(model)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
@@ -28,6 +29,4 @@ def spec_of_model(model):
             return spec_from_hf_config(data, name=name, source=name)
         except ShardfitError:
             pass  # a config shardfit can't read: count the module instead
-    from shardfit.modeling import spec_from_module
-
     return spec_from_module(model, name=type(model).__name__, source=type(model).__module__)

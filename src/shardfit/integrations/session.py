@@ -14,9 +14,14 @@ import sys
 import time
 from pathlib import Path
 
+import shardfit
+from shardfit.estimate.estimator import estimate
 from shardfit.integrations.fix_terms import format_arguments, in_framework_terms
-from shardfit.measure.report import fmt_bytes
+from shardfit.measure.compare import compare, format_comparison
+from shardfit.measure.oom import Diagnosis, candidate_changes, diagnose, format_diagnosis, untracked_oom
+from shardfit.measure.report import RankReport, gather
 from shardfit.spec.sizes import parse_size
+from shardfit.units import fmt_bytes
 
 REPORT_FILE = "shardfit-memory.json"
 OOM_FILE = "shardfit-oom.json"
@@ -77,7 +82,6 @@ class MemorySession:
     def start(self, model, optimizer=None):
         if not self.enabled or self.profiler is not None or self.result is not None:
             return
-        import shardfit
 
         self._install_excepthook()
         self.profiler = shardfit.profile(model, optimizer, budget_bytes=self.budget_bytes, explain_oom=False,
@@ -94,7 +98,6 @@ class MemorySession:
         with the plan, print and write the report."""
         if self.profiler is None:
             return self.result
-        from shardfit.measure.report import gather
 
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)
@@ -131,8 +134,6 @@ class MemorySession:
         return None
 
     def _report(self, gathered) -> dict:
-        from shardfit.estimate.estimator import estimate
-        from shardfit.measure.compare import compare
 
         device = self._device()
         plan, assumed = self.plan()
@@ -158,7 +159,6 @@ class MemorySession:
                 "ranks": [r.to_dict() for r in gathered.ranks]}
 
     def _summary(self, result: dict) -> str:
-        from shardfit.measure.compare import format_comparison
 
         t = result["plan"]["training"]
         lines = [f"shardfit: {result['framework']} run measured for {result['steps_measured']} step(s) on "
@@ -206,8 +206,6 @@ class MemorySession:
     def explain_oom(self, exc) -> dict:
         """This rank's diagnosis with fixes in the framework's terms, written to OUT/shardfit-oom/
         rank-N.json; the lowest rank that ran out prints the worst rank's (once per job)."""
-        from shardfit.measure.oom import diagnose, untracked_oom
-        from shardfit.measure.report import RankReport
 
         profiler, self.profiler = self.profiler, None
         if profiler is not None:
@@ -244,7 +242,6 @@ class MemorySession:
         """The fixes' peaks with the framework's own terms added (see adjust_prediction)."""
         from dataclasses import replace
 
-        from shardfit.estimate.estimator import estimate
 
         def peak(p):
             phases, _ = self.adjust_prediction(estimate(p, device="cpu").phases)
@@ -272,7 +269,6 @@ class MemorySession:
         return out
 
     def _oom_text(self, record: dict, ranks_out: int) -> str:
-        from shardfit.measure.oom import Diagnosis, format_diagnosis
 
         fields = {k: v for k, v in record.items() if k in Diagnosis.__dataclass_fields__}
         # shardfit train's flags mean nothing here: the fixes are said in the framework's terms below.
@@ -291,7 +287,6 @@ class MemorySession:
 
 def oom_candidates(plan) -> list[tuple[str, dict]]:
     """The estimator's candidate changes plus the 8-bit optimizer, least disruptive first."""
-    from shardfit.measure.oom import candidate_changes
 
     out = list(candidate_changes(plan))
     if plan.training.optimizer == "adamw":

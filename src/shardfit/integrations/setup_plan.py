@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardfit.doctor.rules import _strategy
-from shardfit.doctor.setup import Setup, read_setup
+from shardfit.doctor.setup import Setup, read_file, read_setup
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Cluster, Plan, Strategy, Training, validate_plan
 
@@ -97,7 +97,6 @@ def _auto_notes(setup: Setup) -> list[str]:
 
 def check_kind(path: str, expected: tuple[str, ...], flag: str) -> None:
     """A file given to --from-trainer-args must be read as TrainingArguments, and so on: one line otherwise."""
-    from shardfit.doctor.setup import read_file
 
     kind, _ = read_file(path)
     if kind not in expected:

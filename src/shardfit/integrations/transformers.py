@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import transformers
 
+from shardfit.doctor.setup import Setup, from_hf_args
+from shardfit.integrations.model_spec import spec_of_model
 from shardfit.integrations.session import MemorySession
 from shardfit.integrations.setup_plan import plan_from_setup
 
@@ -27,8 +29,6 @@ def _optimizer_impl(args) -> str:
 def trainer_plan(args, model, seq_len: int | None = None, world_size: int | None = None):
     """(Plan, assumed lines) of a Trainer's setup: TrainingArguments read by doctor's reader (the
     same one `plan --from-trainer-args` uses), the model from its config."""
-    from shardfit.doctor.setup import Setup, from_hf_args
-    from shardfit.integrations.model_spec import spec_of_model
 
     facts = from_hf_args(args.to_dict())
     known = {k: v for k, v in facts.items() if k in Setup.__dataclass_fields__ and v is not None}

@@ -6,7 +6,9 @@ reshard the root after forward). "separate": units of their own, torchtitan's wr
 and gathered again for its backward at the very end; the head stays gathered from its forward through
 its backward (reshard_after_forward=False: backward needs it at once) and its gradient is
 reduce-scattered right after, not with the root's at the end. "auto": separate under fsdp2 when the
-head is not tied to the embedding, else root. A tied head shares the embedding's one weight, which only
+head is not tied to the embedding and the plan has no tensor parallelism, else root (under tp > 1 the
+embedding and head are vocab-sharded DTensors kept in the root: the rank-local estimate models that
+wrapping only). A tied head shares the embedding's one weight, which only
 one unit can own: it stays in the root. FSDP1 wraps by class (ModuleWrapPolicy): root only.
 """
 from __future__ import annotations
@@ -29,6 +31,9 @@ def embedding_units_error(plan) -> str | None:
     if s.kind != "fsdp2":
         return (f"strategy.embedding_units separate is FSDP2's wrapping (torchtitan): {s.kind} keeps the embedding "
                 "and head in its root unit; use fsdp2, or embedding_units auto")
+    if plan.parallelism.tp > 1:
+        return ("strategy.embedding_units separate is not modelled under tensor parallelism (tp > 1): the "
+                "vocab-sharded embedding and head stay in FSDP2's root unit; use embedding_units auto or root")
     if plan.model.tie_embeddings:
         return (f"{plan.model.name} ties its head to the embedding (one weight): it cannot be split into two FSDP "
                 "units; use strategy.embedding_units auto or root")
