@@ -58,7 +58,10 @@ def emit_deepspeed_launcher(plan: Plan, options: EmitOptions) -> Emitted:
     # --no_local_rank: the entry point reads LOCAL_RANK from the environment like under torchrun.
     module = entry.startswith("-m ")
     target = f"--module {entry[3:]}" if module else entry
-    command = (f"deepspeed --hostfile hostfile --num_nodes {c.nodes} --num_gpus {c.gpus_per_node} "
+    # One node: DeepSpeed's runner still ssh-checks a hostfile's first host before launching locally
+    # ("host=localhost was not reachable via ssh"); nothing needs ssh there, so the check is skipped.
+    local = " --no_ssh_check" if c.nodes == 1 else ""
+    command = (f"deepspeed --hostfile hostfile{local} --num_nodes {c.nodes} --num_gpus {c.gpus_per_node} "
                f"--master_addr {hosts[0]} --master_port {options.master_port} --no_local_rank {target}")
     script = ["#!/usr/bin/env bash", f"# {plan.model.name}: {plan.strategy.label}; run on the first host "
               "(the launcher reaches the others over passwordless ssh/pdsh)", "set -euo pipefail",

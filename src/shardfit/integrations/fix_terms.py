@@ -71,21 +71,32 @@ def trainer_arguments(changes: dict, changed_plan, out_dir) -> dict:
     return args
 
 
-def lightning_arguments(changes: dict, changed_plan, out_dir) -> dict:
-    """Lightning Trainer / DataLoader arguments for one change (strategy given as Python source)."""
+def _loop_terms(training: dict, changed_plan, keys: dict, ac_note: str, precision: str) -> dict:
+    """The batch / accumulation / checkpointing / precision / optimizer changes of a loop the user
+    writes (Lightning, Accelerate): `keys` names where each goes in that framework."""
     args: dict = {}
-    training = changes.get("training", {})
     if "micro_batch" in training:
         args["DataLoader.batch_size"] = training["micro_batch"]
     if "grad_accum" in training:
-        args["accumulate_grad_batches"] = training["grad_accum"]
+        args[keys["grad_accum"]] = training["grad_accum"]
     if "activation_checkpointing" in training:
-        args["note"] = ("model.gradient_checkpointing_enable() in configure_model (a transformers model), or "
-                        "FSDPStrategy(activation_checkpointing_policy={Block})")
+        args["note"] = ac_note
     if "precision" in training:
-        args["precision"] = _LIGHTNING_PRECISION[changed_plan.training.precision]
+        args[keys["precision"]] = precision
     if "optimizer" in training:
-        args["configure_optimizers"] = "bitsandbytes.optim.AdamW8bit" if training["optimizer"] == "adamw8bit" else training["optimizer"]
+        optimizer = training["optimizer"]
+        args[keys["optimizer"]] = "bitsandbytes.optim.AdamW8bit" if optimizer == "adamw8bit" else optimizer
+    return args
+
+
+def lightning_arguments(changes: dict, changed_plan, out_dir) -> dict:
+    """Lightning Trainer / DataLoader arguments for one change (strategy given as Python source)."""
+    args = _loop_terms(changes.get("training", {}), changed_plan,
+                       {"grad_accum": "accumulate_grad_batches", "precision": "precision",
+                        "optimizer": "configure_optimizers"},
+                       "model.gradient_checkpointing_enable() in configure_model (a transformers model), or "
+                       "FSDPStrategy(activation_checkpointing_policy={Block})",
+                       _LIGHTNING_PRECISION[changed_plan.training.precision])
     if "strategy" in changes:
         s = changed_plan.strategy
         if s.is_deepspeed:
@@ -101,21 +112,12 @@ def lightning_arguments(changes: dict, changed_plan, out_dir) -> dict:
 
 def accelerate_arguments(changes: dict, changed_plan, out_dir) -> dict:
     """Accelerator / DataLoader / launch changes for a custom Accelerate loop."""
-    args: dict = {}
-    training = changes.get("training", {})
-    if "micro_batch" in training:
-        args["DataLoader.batch_size"] = training["micro_batch"]
-    if "grad_accum" in training:
-        args["Accelerator.gradient_accumulation_steps"] = training["grad_accum"]
-    if "activation_checkpointing" in training:
-        args["note"] = "model.gradient_checkpointing_enable({'use_reentrant': False}) before accelerator.prepare"
-    if "precision" in training:
-        args["Accelerator.mixed_precision"] = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(
-            changed_plan.training.precision, "no")
-    if "optimizer" in training:
-        args["optimizer"] = "bitsandbytes.optim.AdamW8bit" if training["optimizer"] == "adamw8bit" else training["optimizer"]
+    args = _loop_terms(changes.get("training", {}), changed_plan,
+                       {"grad_accum": "Accelerator.gradient_accumulation_steps",
+                        "precision": "Accelerator.mixed_precision", "optimizer": "optimizer"},
+                       "model.gradient_checkpointing_enable({'use_reentrant': False}) before accelerator.prepare",
+                       {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(changed_plan.training.precision, "no"))
     if "strategy" in changes:
-
         emitted = emit_accelerate(changed_plan, EmitOptions(out_dir=str(out_dir)))
         path = Path(out_dir) / f"shardfit-fix-{_file_label(changed_plan)}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
