@@ -89,4 +89,3 @@ def test_hf_accepts_the_emitted_trainingarguments_and_deepspeed_json_together(tm
     training_args = transformers.TrainingArguments(**args)
     checked = training_args.hf_deepspeed_config  # HF's own comparison of the JSON with the arguments
     assert checked.mismatches == [], checked.mismatches
-
