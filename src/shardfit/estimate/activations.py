@@ -51,7 +51,7 @@ def activation_profile(model, regime: str, attention: str, lora, device: str = "
     not the weight trains); hand-written families only. seq: a sequence longer than a derived model's
     sliding window runs other code (derived.window_of). adapters_half: the engine computes the adapters in
     16-bit (FSDP2's MixedPrecisionPolicy gathers them in param_dtype; DeepSpeed's bf16/fp16 mode casts the
-    module), so peft's adapter path casts nothing to fp32 (estimator.adapters_in_half)."""
+    module), so peft's adapter path casts nothing to fp32 (step_activations.adapters_in_half)."""
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     if key_lora is not None and frozen_linears_save and not model.derived:
         key_lora += ("linear-inputs-saved",)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from shardfit.estimate import activations as act
 from shardfit.estimate import temporaries as tmp
-from shardfit.estimate.estimator import precision_regime
+from shardfit.estimate.step_activations import precision_regime
 from shardfit.spec.plan import is_selective_ac, parse_activation_checkpointing
 
 # written in forward + read in backward + gradient written + gradient read
