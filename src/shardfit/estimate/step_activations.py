@@ -61,6 +61,28 @@ def adapters_in_half(kind: str, regime: str, lora) -> bool:
             and lora.base_dtype not in ("int8", "nf4"))
 
 
+def saved_activation_bytes(profile: act.Profile, tokens: int, seq: int, num_layers: int, checkpointed: int,
+                           selective: tuple = (0.0, 0.0)) -> tuple:
+    # Source: Korthikanti et al. 2022 sec. 4 (full recompute keeps the block input), adapted per block;
+    # selective: what per-op SAC keeps besides the input (selective_kept).
+    samples = tokens // max(seq, 1)
+    per_block = (profile.block * tokens + profile.block_quad * tokens * seq + profile.block_per_position * seq
+                 + profile.block_per_position_quad * seq * seq + profile.block_per_sample * samples)
+    kept = profile.ckpt_input * tokens + selective[0] * tokens + selective[1] * tokens * seq
+    blocks = (num_layers - checkpointed) * (per_block + profile.block_const) + checkpointed * kept
+    if not checkpointed:
+        blocks -= profile.first_block_discount * tokens
+    head = (profile.head * tokens + profile.head_quad * tokens * seq + profile.per_position * seq
+            + profile.head_per_position_quad * seq * seq + profile.head_per_sample * samples + profile.head_const)
+    return int(blocks), int(head), int(per_block)
+
+
+def autocast_weight_copy_bytes(profile: act.Profile, num_layers: int, checkpointed: int) -> int:
+    # Source: torch.autocast's cast cache: 16-bit copies of the weights, held by the saved graph until
+    # backward frees them; checkpointed blocks drop theirs after forward.
+    return int((num_layers - checkpointed) * profile.weight_copies + profile.head_weight_copy)
+
+
 @dataclass(slots=True)
 class Activations:
     """Bytes per rank; zero everywhere for a model without shapes (--params)."""
@@ -118,7 +140,7 @@ def activations_step(plan, device: str, record: Recorder | None) -> Activations:
     checkpointed = act.checkpointed_blocks(model.num_layers, checkpoint_every(training.activation_checkpointing))
     kept = (sel.selective_kept(model, regime, training.attention, acts_lora, device)
             if checkpointed and selective_checkpointing(training.activation_checkpointing) else (0.0, 0.0))
-    blocks, head, block = act.saved_activation_bytes(profile, tokens, seq, model.num_layers, checkpointed, kept)
+    blocks, head, block = saved_activation_bytes(profile, tokens, seq, model.num_layers, checkpointed, kept)
     out = Activations(regime=regime, tokens=tokens, profile=profile, checkpointed_blocks=checkpointed,
                       block=block, blocks=blocks, head=head)
     out.loss_forward = temporaries.loss_forward_bytes(tokens, profile.loss_fwd_temp)
@@ -155,8 +177,8 @@ def activations_step(plan, device: str, record: Recorder | None) -> Activations:
     out.before_head = before_head if out.forward_work else 0
     out.dequant = profile.dequant_temp
     # The cast cache lives until autocast exits (end of forward); backward keeps only the saved ones.
-    out.weight_copies_forward = act.autocast_weight_copy_bytes(profile, model.num_layers, 0)
-    out.weight_copies = act.autocast_weight_copy_bytes(profile, model.num_layers, checkpointed)
+    out.weight_copies_forward = autocast_weight_copy_bytes(profile, model.num_layers, 0)
+    out.weight_copies = autocast_weight_copy_bytes(profile, model.num_layers, checkpointed)
     if record:
         _record_activations(record, plan, out, kept)
     return out
