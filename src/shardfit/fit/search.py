@@ -18,14 +18,12 @@ from shardfit.fit.host import assumption_note, needs_text, over_assumed
 from shardfit.fit.kernels import chunked_rung, kernel_notes, loss_options, optimizer_impl_for, with_loss
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
-from shardfit.fit.request import FitRequest
 from shardfit.fit.pins import pin_ac, pin_error, pin_micro_batch, pin_strategy, pinned
-from shardfit.fit.rungs import RUNG_NAMES, rung_note, rungs_for
+from shardfit.fit.request import FitRequest
+from shardfit.fit.rungs import rung_note, rungs_for
 from shardfit.spec.fsdp_units import separate_embedding_units
 from shardfit.spec.gpus import GPU, get_gpu
-from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS
-from shardfit.spec.model_spec import ModelSpec
-from shardfit.spec.plan import LoRA, Plan, validate_plan
+from shardfit.spec.plan import Plan, validate_plan
 from shardfit.units import fmt_bytes
 
 GIB = 1024**3
