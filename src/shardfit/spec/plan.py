@@ -26,6 +26,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "lion", "adafactor")
 ATTENTION = ("sdpa", "eager")
 LORA_BASE_DTYPES = ("bf16", "fp16", "fp32", "int8", "nf4")
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
+NAN_POLICIES = ("stop", "skip")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +187,7 @@ class Schedule:
     eval_every: int = 0
     save_every: int = 0
     keep_checkpoints: int = 2
-    nan_policy: str = "stop"  # stop | skip
+    nan_policy: str = "stop"  # NAN_POLICIES
     save_mode: str = "sync"  # sync | async (DCP async_save in a writer process; not DeepSpeed)
     on_save_error: str = "stop"  # stop | continue: what a save that fails (disk full, I/O error) does to the run
 
@@ -384,4 +385,11 @@ def validate_plan(plan: Plan) -> list[str]:
             bad("training.lora.target_modules is empty: name the projections to adapt, e.g. q_proj,v_proj")
     if plan.model.family == "params" and t.lora is not None:
         bad("LoRA needs the model's shapes: give a preset or config instead of --params")
+
+    # The loop's NaN policy: DeepSpeed steps inside backward, so a step cannot be skipped after it.
+    if plan.schedule.nan_policy not in NAN_POLICIES:
+        bad(f"schedule.nan_policy '{plan.schedule.nan_policy}' is not known: use stop or skip")
+    if plan.schedule.nan_policy == "skip" and s.is_deepspeed:
+        bad("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop; "
+            "fp16 overflow steps are skipped by DeepSpeed's loss scaler anyway")
     return warnings

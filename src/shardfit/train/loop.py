@@ -92,9 +92,6 @@ def build_model(plan):
 def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | None = None, model=None) -> list[dict]:
     ctx = ctx or init_distributed()
     out = Path(out_dir)
-    s, t = plan.schedule, plan.training
-    if s.nan_policy not in ("stop", "skip"):
-        raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
     if plan.parallelism.model_parallel > 1:  # the loop shards data, loss and eval over every rank
         raise ShardfitError("`shardfit train` runs data parallelism only so far: tp/cp/pp are for plan, and FSDP2 x TP "
                             "runs under the profiling harness (docs/parallelism.md); set parallelism tp, cp, pp to 1")

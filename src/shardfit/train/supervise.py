@@ -40,8 +40,6 @@ def check_run(plan, args, inside: bool) -> None:
                         ("min_lr_ratio", s.min_lr_ratio)):
         if not math.isfinite(value) or value < 0:
             raise ShardfitError(f"schedule.{name} must be a finite number >= 0, got {value}")
-    if s.nan_policy not in ("stop", "skip"):
-        raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
     for name, value, known in (("save_mode", s.save_mode, ("sync", "async")),
                                ("on_save_error", s.on_save_error, ("stop", "continue"))):
         if value not in known:
@@ -50,8 +48,6 @@ def check_run(plan, args, inside: bool) -> None:
         raise ShardfitError("schedule.save_mode async is not supported with DeepSpeed (its asynchronous checkpoint "
                             "engines need the async_io op: libaio and a GPU): use save_mode sync")
     preempt.signal_names(getattr(args, "stop_signals", None))
-    if s.nan_policy == "skip" and plan.strategy.is_deepspeed:
-        raise ShardfitError("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop")
     for name, value in (("data.path", plan.data.path), ("data.tokenizer", plan.data.tokenizer)):
         if value and not Path(value).exists():
             raise ShardfitError(f"{name} '{value}' does not exist: give a local file or folder")
