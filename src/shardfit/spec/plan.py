@@ -19,6 +19,7 @@ from shardfit.spec.parallelism import Parallelism, drop_default, validate_parall
 
 # single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
 STRATEGY_KINDS = ("single", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+DEEPSPEED_KINDS = ("zero1", "zero2", "zero3")
 FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
@@ -27,6 +28,11 @@ ATTENTION = ("sdpa", "eager")
 LORA_BASE_DTYPES = ("bf16", "fp16", "fp32", "int8", "nf4")
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
 NAN_POLICIES = ("stop", "skip")
+
+
+def is_deepspeed_kind(kind: str) -> bool:
+    """Whether a strategy kind (or an engine's kind) runs under DeepSpeed: ZeRO-1/2/3."""
+    return kind in DEEPSPEED_KINDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +99,7 @@ class Strategy:
 
     @property
     def is_deepspeed(self) -> bool:
-        return self.kind.startswith("zero")
+        return is_deepspeed_kind(self.kind)
 
     def regathers_in_backward(self, n_params: int) -> bool:
         """Whether sharded parameters are all-gathered again in backward: FSDP1 FULL/HYBRID_SHARD and
