@@ -391,8 +391,6 @@ def validate_plan(plan: Plan) -> list[str]:
             bad("training.lora.target_modules is empty: name the projections to adapt, e.g. q_proj,v_proj")
     if plan.model.family == "params" and t.lora is not None:
         bad("LoRA needs the model's shapes: give a preset or config instead of --params")
-
-    # The loop's NaN policy: DeepSpeed steps inside backward, so a step cannot be skipped after it.
     if plan.schedule.nan_policy not in NAN_POLICIES:
         bad(f"schedule.nan_policy '{plan.schedule.nan_policy}' is not known: use stop or skip")
     if plan.schedule.nan_policy == "skip" and s.is_deepspeed:
