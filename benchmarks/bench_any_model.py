@@ -24,6 +24,7 @@ from pathlib import Path
 from shardfit.bench.run import torchrun_job
 from shardfit.measure.compare import off_terms
 from shardfit.spec.tiny import tiny_config
+from shardfit.spec.plan import is_deepspeed_kind
 
 # GQA/MQA, MoE with and without shared experts, multi-head latent attention, sliding-window and
 # hybrid attention, parallel attention + MLP, LayerNorm and RMSNorm, tied and untied heads.
@@ -39,7 +40,7 @@ def plan_dict(model_dir: str, strategy: str, precision: str, ac: str) -> dict:
     fields = {"kind": kind}
     if option:
         fields["sharding"] = option
-    if kind.startswith("zero"):
+    if is_deepspeed_kind(kind):
         fields.update(SMALL_BUCKETS)
     return {"model": model_dir, "strategy": fields, "cluster": {"nodes": 1, "gpus_per_node": 2},
             "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
@@ -112,8 +113,8 @@ def main() -> int:
         folder = Path(tmp)
         os.environ.setdefault("SHARDFIT_CACHE_DIR", str(folder / "cache"))
         configs = grid(folder, split(args.archs), strategies, split(args.precisions), split(args.ac))
-        torch_configs = [c for c in configs if not c["plan"]["strategy"]["kind"].startswith("zero")]
-        ds_configs = [c for c in configs if c["plan"]["strategy"]["kind"].startswith("zero")]
+        torch_configs = [c for c in configs if not is_deepspeed_kind(c["plan"]["strategy"]["kind"])]
+        ds_configs = [c for c in configs if is_deepspeed_kind(c["plan"]["strategy"]["kind"])]
         results = measure(torch_configs, folder, "torch", args.timeout) + measure(ds_configs, folder, "deepspeed", args.timeout)
     lines, summary = summarize(results)
     print(f"host: {platform.node()}, Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "

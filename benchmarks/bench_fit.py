@@ -25,8 +25,8 @@ def main() -> int:
     print(f"{'model':16s} {'cluster':>14s} {'seq':>5s} {'best':34s} {'estimates':>9s} {'median ms':>9s} {'max ms':>7s}")
     worst = 0.0
     for model, gpu, gpus, nodes, seq, batch in CASES:
-        request = FitRequest(model=load_model_spec(model), gpu=gpu, gpus_per_node=gpus, nodes=nodes, seq_len=seq,
-                             global_batch=batch)
+        request = FitRequest.build(model=load_model_spec(model), gpu=gpu, gpus_per_node=gpus, nodes=nodes, seq_len=seq,
+                                   global_batch=batch)
         times = []
         for _ in range(5):
             t = time.perf_counter()

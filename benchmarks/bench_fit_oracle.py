@@ -54,9 +54,9 @@ def oracle_model():
 def request(profile_gpu, model):
     from shardfit.fit import FitRequest
 
-    return FitRequest(model=model, gpu=f"custom:{BUDGET_BYTES / 2**30!r}", gpus_per_node=RANKS, nodes=1, seq_len=SEQ,
-                      global_batch=GLOBAL_BATCH, margin=MARGIN, precision="fp32", engines=("ddp", "deepspeed", "fsdp"),
-                      device="cpu", device_profile=profile_gpu, top=100)
+    return FitRequest.build(model=model, gpu=f"custom:{BUDGET_BYTES / 2**30!r}", gpus_per_node=RANKS, nodes=1, seq_len=SEQ,
+                            global_batch=GLOBAL_BATCH, margin=MARGIN, precision="fp32", engines=("ddp", "deepspeed", "fsdp"),
+                            device="cpu", device_profile=profile_gpu, top=100)
 
 
 def grid(model, reduced: bool = False):

@@ -34,10 +34,10 @@ def parse():
 
 def plan_for(args, kind):
     from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import plan_from_dict
+    from shardfit.spec.plan import is_deepspeed_kind, plan_from_dict
 
     strategy = {"kind": kind}
-    if kind.startswith("zero"):
+    if is_deepspeed_kind(kind):
         strategy.update(reduce_bucket_size=5_000_000, allgather_bucket_size=5_000_000, prefetch_bucket_size=500_000)
     return plan_from_dict({"model": args.model, "strategy": strategy,
                            "training": {"micro_batch": args.micro_batch, "seq_len": args.seq, "precision": "fp32"},
@@ -50,7 +50,6 @@ def ours(plan, ctx):
 
     with tempfile.TemporaryDirectory() as out:
         records = train(plan, out, RunOptions(progress=False, quiet=True), ctx=ctx)
-    train.last_engine = None
     return statistics.median(r["step_time"] for r in records[WARMUP:])
 
 

@@ -104,8 +104,6 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - one failing engine must not hide the others' figures
             rows.append((kind, f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
             continue
-        finally:
-            train.last_engine = None
         step = statistics.median(r["step_time"] for r in records[WARMUP:])
         # Tokens actually in the batches (dynamic padding can make them fewer than micro_batch*seq).
         tokens = statistics.median(r["tokens"] for r in records[WARMUP:])

@@ -85,7 +85,7 @@ def test_accelerate_yaml_loads_with_accelerates_loader(tmp_path, strategy, nodes
     known = {a.dest for a in launch_command_parser()._actions}
     for key in list(config.deepspeed_config) + list(config.fsdp_config) + list(config.parallelism_config):
         assert key in known, key
-    if strategy.startswith("zero"):
+    if parse_strategy(strategy).is_deepspeed:
         assert config.distributed_type.value == "DEEPSPEED" and config.deepspeed_config["zero_stage"] == int(strategy[4])
     elif strategy.startswith("fsdp"):
         assert config.distributed_type.value == "FSDP"
@@ -108,7 +108,7 @@ def test_hf_training_arguments_construct(strategy, ac):
     # use_cpu only because this machine has no GPU; it is not part of the emitted fields.
     args = TrainingArguments(**fields, use_cpu=True)
     assert args.per_device_train_batch_size == 2 and args.gradient_accumulation_steps == 4 and args.bf16
-    if strategy.startswith("zero"):
+    if parse_strategy(strategy).is_deepspeed:
         assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == int(strategy[4])
     if strategy.startswith("fsdp"):
         assert args.fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
@@ -128,7 +128,7 @@ def test_lightning_arguments_are_python():
         tree = ast.parse(text)
         calls = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)}
         assert "num_nodes=2" in text and "devices=4" in text and 'precision="bf16-mixed"' in text
-        if strategy.startswith("zero"):
+        if parse_strategy(strategy).is_deepspeed:
             assert "DeepSpeedStrategy" in calls
             assert "'stage': 3" in text
         if strategy.startswith("fsdp:"):

@@ -1,6 +1,8 @@
 """The configurations the engine tests run, as worker job lists (see worker.py)."""
 from __future__ import annotations
 
+from shardfit.spec.plan import is_deepspeed_kind
+
 ENGINES = ("ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
 STEPS = 5
 # Small DeepSpeed buckets: the defaults (5e8 elements) allocate ~1-2 GB per rank for a tiny model.
@@ -10,7 +12,7 @@ DS_BUCKETS = {"reduce_bucket_size": 2_000_000, "allgather_bucket_size": 2_000_00
 
 def plan(engine: str, precision: str = "fp32", ac: str = "none", steps: int = STEPS, grad_accum: int = 1,
          save_every: int = 0, eval_every: int = 0, **strategy) -> dict:
-    strategy = {"kind": engine, **(DS_BUCKETS if engine.startswith("zero") else {}), **strategy}
+    strategy = {"kind": engine, **(DS_BUCKETS if is_deepspeed_kind(engine) else {}), **strategy}
     cluster = {"nodes": 1, "gpus_per_node": 1} if engine == "single" else {}
     return {"model": "tiny-llama", "strategy": strategy, "cluster": cluster,
             "training": {"micro_batch": 2, "seq_len": 64, "grad_accum": grad_accum, "precision": precision,

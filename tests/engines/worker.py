@@ -53,12 +53,14 @@ def main(spec_path: str, result_path: str) -> int:
         started = time.perf_counter()
         try:
             plan = plan_from_dict(job["plan"], resolve_model=load_model_spec)
+            finished = {}  # the engine after the run, from RunOptions.on_finish
             options = RunOptions(resume=job.get("resume"), progress=False, quiet=True, export=job.get("export"),
-                                 eval_batches=2, new_tokens=job.get("new_tokens", 12))
+                                 eval_batches=2, new_tokens=job.get("new_tokens", 12),
+                                 on_finish=lambda engine: finished.update(engine=engine))
             records = train(plan, job["out"], options, ctx=ctx)
             result = {"losses": [r["loss"] for r in records], "steps": [r["step"] for r in records],
                       "records": records, "ok": True}
-            engine = train.last_engine
+            engine = finished.pop("engine")
             if job.get("logits"):
                 with engine.inference() as model:
                     logits = model(input_ids=torch.tensor(PROBE, device=ctx.device)).logits.float()
@@ -69,7 +71,7 @@ def main(spec_path: str, result_path: str) -> int:
                 result["generated"] = engine_generate(engine, ByteTokenizer(), "In the morning", 12)[0]
             if job.get("count_recompute"):
                 result["mlp_calls"] = _mlp_calls(engine)
-            del engine, train.last_engine
+            del engine
         except Exception as exc:  # noqa: BLE001 - report per job, keep the group alive for the others
             result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
         result["seconds"] = round(time.perf_counter() - started, 2)

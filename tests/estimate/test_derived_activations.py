@@ -6,7 +6,8 @@ import json
 import pytest
 
 from shardfit.estimate import estimate
-from shardfit.estimate.activations import activation_profile, saved_activation_bytes
+from shardfit.estimate.activations import activation_profile
+from shardfit.estimate.step_activations import saved_activation_bytes
 from shardfit.spec.models import derived_spec, load_hf_config, load_model_spec
 from shardfit.spec.plan import Cluster, Plan, Training, parse_strategy
 

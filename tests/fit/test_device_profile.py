@@ -75,8 +75,8 @@ def test_measured_overlap_replaces_the_datasheet_figure():
 
 def test_fit_ranks_with_the_profile():
     gpu = _profile().as_gpu(memory_gib=get_gpu("custom:0.02").memory_gib)
-    request = FitRequest(model=load_model_spec("tiny-llama"), gpu="custom:0.02", gpus_per_node=2, seq_len=64,
-                         global_batch=8, precision="fp32", device="cpu", engines=("ddp", "fsdp"), device_profile=gpu)
+    request = FitRequest.build(model=load_model_spec("tiny-llama"), gpu="custom:0.02", gpus_per_node=2, seq_len=64,
+                               global_batch=8, precision="fp32", device="cpu", engines=("ddp", "fsdp"), device_profile=gpu)
     result = fit(request)
     assert result.gpu is gpu and result.best is not None
     assert result.best.time.total_s == pytest.approx(step_time(result.best.plan, gpu).total_s)

@@ -19,8 +19,8 @@ GIB = 1024**3
 
 def _long_context(**changes) -> FitRequest:
     # Llama-3.1-8B at 32k tokens: the loss's fp32 b*s*V buffers (V = 128256) are most of the peak.
-    return FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=32768,
-                      global_batch=8, engines=("fsdp",), host_memory_gib=64, **changes)
+    return FitRequest.build(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=32768,
+                            global_batch=8, engines=("fsdp",), host_memory_gib=64, **changes)
 
 
 def test_fit_turns_the_chunked_loss_on_when_nothing_fits_without_it():
@@ -42,8 +42,8 @@ def test_fit_turns_the_chunked_loss_on_when_nothing_fits_without_it():
 
 def test_chunked_loss_stays_off_where_the_standard_loss_fits():
     # One sequence per GPU at seq 2048: every setting fits its largest micro-batch with the standard loss.
-    result = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
-                            global_batch=8))
+    result = fit(FitRequest.build(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
+                                  global_batch=8))
     assert result.best.plan.training.loss == "standard"
     assert all(c.plan.training.loss == "standard" for c in result.alternatives)
     assert not any(n.startswith("chunked cross-entropy") for n in result.notes)
@@ -52,8 +52,8 @@ def test_chunked_loss_stays_off_where_the_standard_loss_fits():
 def test_a_chunked_candidate_is_one_the_standard_loss_does_not_fit():
     # Eight sequences per GPU: the chunked loss lets AC none fit micro-batch 4 (and is then fastest); every
     # chunked candidate is a setting whose micro-batch does not fit with the standard loss.
-    result = fit(FitRequest(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
-                            global_batch=64))
+    result = fit(FitRequest.build(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=2048,
+                                  global_batch=64))
     chunked = [c for c in (result.best, *result.alternatives) if c.plan.training.loss == "chunked"]
     assert chunked
     for cand in chunked:
@@ -76,8 +76,8 @@ def test_fused_adamw_turns_a_no_fit_into_a_fit():
     # AdamW states, 70.6B/8 x 4 B) puts fsdp2 over the limit; the fused step has none.
     request = dict(model=load_model_spec("llama-3.1-70b"), gpu="B200", gpus_per_node=8, seq_len=2048, engines=("fsdp",))
     # the state rungs (8-bit AdamW, pure bf16) off: with them foreach fits pure bf16 before offload
-    foreach = fit(FitRequest(**request, optimizer_impl="foreach", rungs=()))
-    fused = fit(FitRequest(**request))
+    foreach = fit(FitRequest.build(**request, optimizer_impl="foreach", rungs=()))
+    fused = fit(FitRequest.build(**request))
     assert foreach.best.plan.strategy.offload_params == "cpu"  # without the fused step only offload fits
     assert not fused.best.rung  # the fused step fits with full-precision states: no rung is climbed
     assert fused.best.family == "fsdp2" and fused.best.plan.training.optimizer_impl == "fused"
@@ -107,8 +107,8 @@ def test_the_70b_fsdp_case_of_the_issue_fits_with_neither_step_in_mixed_bf16():
 def test_fit_and_emit_agree_on_the_optimizer_step(model, gpus, engines, tmp_path):
     from shardfit.spec.planfile import dump_plan, load_plan
 
-    result = fit(FitRequest(model=load_model_spec(model), gpu="H100-80GB", gpus_per_node=gpus, seq_len=2048,
-                            engines=engines))
+    result = fit(FitRequest.build(model=load_model_spec(model), gpu="H100-80GB", gpus_per_node=gpus, seq_len=2048,
+                                  engines=engines))
     plan = result.best.plan
     impl = plan.training.optimizer_impl
     assert impl == "fused"  # torch's AdamW (or DeepSpeed's FusedAdam) on every engine here

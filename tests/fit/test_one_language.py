@@ -77,7 +77,7 @@ def test_one_lora_rule_for_fit_and_plan(capsys):
 
 
 def test_every_suggestion_states_host_ram_and_lora_and_8bit_are_offered():
-    result = fit(FitRequest(model=load_model_spec("llama-3.1-405b"), gpu="T4", gpus_per_node=1))
+    result = fit(FitRequest.build(model=load_model_spec("llama-3.1-405b"), gpu="T4", gpus_per_node=1))
     assert result.best is None
     levers = result.suggestions[1:]
     assert all("host RAM" in s for s in levers), levers
@@ -91,11 +91,11 @@ def test_every_suggestion_states_host_ram_and_lora_and_8bit_are_offered():
 
 def test_plans_beyond_the_assumed_host_ram_are_flagged_not_recommended():
     model = load_model_spec("llama-3.1-70b")
-    result = fit(FitRequest(model=model, gpu="A100-80GB", gpus_per_node=1, seq_len=1024, global_batch=1))
+    result = fit(FitRequest.build(model=model, gpu="A100-80GB", gpus_per_node=1, seq_len=1024, global_batch=1))
     assert result.best is not None and "offload" in result.best.family
     assert result.best.host_bytes > 64 * 1024**3 * 2  # 70B's states do not fit a 160 GiB host
     assert any(n.startswith("WARNING: the best plan needs host RAM") and "ABOVE" in n for n in result.notes)
     # Given the host RAM, the same plan is rejected instead.
-    limited = fit(FitRequest(model=model, gpu="A100-80GB", gpus_per_node=1, seq_len=1024, global_batch=1,
-                             host_memory_gib=160))
+    limited = fit(FitRequest.build(model=model, gpu="A100-80GB", gpus_per_node=1, seq_len=1024, global_batch=1,
+                                   host_memory_gib=160))
     assert limited.best is None or limited.best.host_bytes <= 160 * 1024**3

@@ -17,7 +17,7 @@ GIB = 1024**3
 
 
 def _fit(model, gpu, gpus, **kw):
-    return fit(FitRequest(model=load_model_spec(model), gpu=gpu, gpus_per_node=gpus, seq_len=2048, **kw))
+    return fit(FitRequest.build(model=load_model_spec(model), gpu=gpu, gpus_per_node=gpus, seq_len=2048, **kw))
 
 
 @pytest.mark.parametrize("model,gpu,gpus,rung,optimizer,precision", [

@@ -15,6 +15,7 @@ import pytest
 
 import launch
 from shardfit.spec.tiny import tiny_config
+from shardfit.spec.plan import is_deepspeed_kind
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -34,7 +35,7 @@ SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000
 def _plan(model_dir: str, strategy: str, precision: str, ac: str) -> dict:
     kind, _, option = strategy.partition(":")
     fields = {"kind": kind, **({"sharding": option} if option else {}),
-              **(SMALL_BUCKETS if kind.startswith("zero") else {})}
+              **(SMALL_BUCKETS if is_deepspeed_kind(kind) else {})}
     return {"model": model_dir, "strategy": fields, "cluster": {"nodes": 1, "gpus_per_node": 2},
             "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
 

@@ -98,7 +98,7 @@ LORA_ROWS = {strategy: {"label": f"tiny-llama/{strategy}/fp32/lora-ac-none", "pl
                         "steps": 2} for strategy in LORA_SHARDED}
 # The same in bf16 (fp32 base, bf16 compute): the sharding engines hand peft 16-bit adapters (FSDP2's
 # MixedPrecisionPolicy gathers them in bf16, DeepSpeed casts the module), so no fp32 copy of an adapter's
-# input is saved (estimator.adapters_in_half), and DeepSpeed holds the frozen base in bf16 too.
+# input is saved (step_activations.adapters_in_half), and DeepSpeed holds the frozen base in bf16 too.
 LORA_BF16_ROWS = {strategy: {"label": f"tiny-llama/{strategy}/bf16/lora-ac-none",
                              "plan": _lora_plan(strategy, "none", "bf16"), "steps": 2} for strategy in LORA_SHARDED}
 

@@ -81,6 +81,8 @@ BAD = [
     ({"training": {"lora": {"rank": 0}}}, "lora.rank"),
     ({"strategy": {"reduce_bucket_size": -1}}, "must not be negative"),
     ({"training": {"seq_len": 10**13}}, "beyond any real run"),
+    ({"schedule": {"nan_policy": "sometimes"}}, "schedule.nan_policy 'sometimes' is not known"),
+    ({"strategy": {"kind": "zero2"}, "schedule": {"nan_policy": "skip"}}, "nan_policy skip is not supported with DeepSpeed"),
 ]
 
 

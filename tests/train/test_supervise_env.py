@@ -2,13 +2,12 @@
 the one place that decides it (the DeepSpeed op cache keyed by the Python environment, one OpenMP
 thread per rank), and starts through the one launcher, like profile and bench. No torchrun is
 started here: the launcher is replaced by a recorder."""
-from types import SimpleNamespace
-
 import pytest
 
 import shardfit.train.supervise as supervise
 from shardfit.launcher import Launched
 from shardfit.runtime_env import extensions_dir, launch_env
+from shardfit.train.flags import TrainFlags
 
 
 class FakeProcess:
@@ -35,8 +34,8 @@ def test_relaunch_uses_the_launch_env(monkeypatch, debug):
         return Launched(returncode=0, seconds=0.0, command=tuple(target))
 
     monkeypatch.setattr(supervise, "torchrun", torchrun)
-    args = SimpleNamespace(nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None)
-    assert supervise.relaunch(["train", "--out", "x"], args, restarts=0) == 0
+    flags = TrainFlags(nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None)
+    assert supervise.relaunch(["train", "--out", "x"], flags, restarts=0) == 0
     assert seen["timeout"] is None  # a training run is not cut short by the launcher
     # plus, when its stderr is filtered, the mark that it prints the OOM diagnosis once for the workers
     assert seen["env"] == (launch_env() if debug else {**launch_env(), supervise.SUPERVISED_ENV: "1"})

@@ -32,7 +32,7 @@ from shardfit.measure.api import profile
 from shardfit.measure.oom import diagnose, worst_rank_diagnosis
 from shardfit.measure.report import gather
 from shardfit.spec.gpus import get_gpu
-from shardfit.spec.plan import plan_from_dict
+from shardfit.spec.plan import is_deepspeed_kind, plan_from_dict
 
 OOM_EXIT = 3  # the orchestrator reads this exit code as "out of memory" (budget exceeded)
 
@@ -70,7 +70,7 @@ def _step(engine, micro_batches, comm=None):
     """One optimizer step over its micro-batches (gradients synchronised on the last). With a CommCounter, collectives are labelled forward until the autograd
     engine runs, backward from then on, optimizer from the optimizer step (DeepSpeed steps inside
     forward_backward: its engine.step is wrapped for the label)."""
-    deepspeed = engine.kind.startswith("zero")
+    deepspeed = is_deepspeed_kind(engine.kind)
     if comm is not None:
         comm.phase = "forward"
         comm.follow_backward = True

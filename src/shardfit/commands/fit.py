@@ -95,22 +95,22 @@ def request_from_args(args):
     # A knob given on the command line is pinned: its state rung (fit/rungs.py) is not climbed.
     rungs = tuple(r for r in RUNG_NAMES if not (r == "adamw8bit" and args.optimizer is not None)
                   and not (r == "bf16-pure" and args.precision is not None))
-    return FitRequest(**kernels, model=model, gpu=gpu_name, rungs=rungs, ac=args.ac, micro_batch=args.micro_batch,
-                      strategy=args.strategy, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
-                      global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
-                      optimizer=(args.optimizer or "adamw").strip().lower(), engines=engines, device="cpu" if args.cpu else "cuda",
-                      host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)
+    return FitRequest.build(**kernels, model=model, gpu=gpu_name, rungs=rungs, ac=args.ac, micro_batch=args.micro_batch,
+                            strategy=args.strategy, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
+                            global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
+                            optimizer=(args.optimizer or "adamw").strip().lower(), engines=engines, device="cpu" if args.cpu else "cuda",
+                            host_memory_gib=args.host_memory_gib, nvme_path=args.nvme_path, top=args.top, base=base)
 
 
 def run(args) -> int:
     request = request_from_args(args)
     request, yours = _from_setup(args, request)
     result = fit(request)
-    if request.device_profile is not None:
+    if request.options.device_profile is not None:
         from dataclasses import replace
 
         result = replace(result, notes=result.notes + (
-            f"step times from the device profile {args.device_profile} ({request.device_profile.name}: measured "
+            f"step times from the device profile {args.device_profile} ({request.options.device_profile.name}: measured "
             "rates, no datasheet efficiencies)",))
     checked = None
     if args.verify and result.best is not None:
@@ -131,7 +131,7 @@ def run(args) -> int:
             print(_setup_line(yours, request, result))
         print(format_text(result))
         if lora_asked(args):
-            print(f"note: {lora_line(result.request.lora, args)}")
+            print(f"note: {lora_line(result.request.base.training.lora, args)}")
         if checked is not None:
             print(checked.line())
             print("\n".join(checked.time_lines(result)))
@@ -146,12 +146,9 @@ def _from_setup(args, request):
     """With --from-trainer-args / --from-accelerate-config / --deepspeed: the setup's world size, sequence,
     global batch, precision and optimizer become the request's (a flag left at its default does not
     override them); returns (request, the setup's plan or None)."""
-    from dataclasses import replace
-
-
     given_gpus = args.gpus if args.gpus != 8 or args.nodes else None
     given_seq = args.seq if args.seq != 2048 else None
-    found = plan_from_args(args, request.model, world_size=given_gpus, nodes=args.nodes, gpu=request.gpu, seq_len=given_seq)
+    found = plan_from_args(args, request.base.model, world_size=given_gpus, nodes=args.nodes, gpu=request.base.cluster.gpu, seq_len=given_seq)
     if found is None:
         return request, None
     plan = found.plan
@@ -162,14 +159,14 @@ def _from_setup(args, request):
         changes["precision"] = plan.training.precision
     if args.optimizer == "adamw":
         changes["optimizer"] = plan.training.optimizer
-    return replace(request, **changes), plan
+    return request.with_changes(**changes), plan
 
 
 def _setup_line(plan, request, result) -> str:
     """How the setup as given does, next to what fit found."""
 
-    est = estimate(plan, device=request.device)
-    peak = est.device_peak_bytes if request.device == "cuda" else est.peak_bytes
+    est = estimate(plan, device=request.options.device)
+    peak = est.device_peak_bytes if request.options.device == "cuda" else est.peak_bytes
     t = plan.training
     verdict = "fits" if peak <= result.usable_bytes else "does NOT fit"
     return (f"your setup: {plan.strategy.label}, micro-batch {t.micro_batch} x accumulation {t.grad_accum}, "

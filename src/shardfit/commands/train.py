@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import fields, replace
 
 from shardfit.commands.kernel_flags import add_kernel_arguments
 from shardfit.commands.lora_flags import add_lora_arguments
 from shardfit.errors import ShardfitError
 from shardfit.spec.sizes import size_type
 from shardfit.train import autopilot, preempt, supervise
+from shardfit.train.flags import TrainFlags
 from shardfit.train.launch import build_plan, default_nproc, inside_launch
 
 
@@ -77,13 +79,14 @@ def run(args) -> int:
     if (args.nproc is not None and args.nproc < 1) or args.nnodes < 1:
         raise ShardfitError("--nproc and --nnodes must be at least 1")
 
+    flags = train_flags(args)
     if not inside_launch():
-        if args.nproc is None:
-            args.nproc = default_nproc(args)
-        supervise.check_run(build_plan(args), args, inside=False)  # fail fast, here, on a bad plan or flag
-        supervise.export_env(args)
+        if flags.nproc is None:
+            flags = replace(flags, nproc=default_nproc(flags))
+        supervise.check_run(build_plan(flags), flags, inside=False)  # fail fast, here, on a bad plan or flag
+        supervise.export_env(flags)
         restarts = args.max_restarts if args.max_restarts is not None else (4 if args.autopilot else 0)
-        return supervise.relaunch(_worker_argv(sys.argv[1:]), args, restarts)
+        return supervise.relaunch(_worker_argv(sys.argv[1:]), flags, restarts)
 
     import warnings
 
@@ -93,9 +96,9 @@ def run(args) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning)
     from shardfit.train.loop import DEFAULT_PROMPT, RunOptions, train
 
-    supervise.export_env(args)
-    plan = build_plan(args)
-    supervise.check_run(plan, args, inside=True)
+    supervise.export_env(flags)
+    plan = build_plan(flags)
+    supervise.check_run(plan, flags, inside=True)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     resume = args.resume or ("auto" if restarted else None)
     decisions = []
@@ -144,6 +147,11 @@ def run(args) -> int:
 
 
 _LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")
+
+
+def train_flags(args) -> TrainFlags:
+    """The flags train/ reads, as plain values (a flag this parser lacks keeps its default)."""
+    return TrainFlags(**{f.name: getattr(args, f.name) for f in fields(TrainFlags) if hasattr(args, f.name)})
 
 
 def _worker_argv(argv: list[str]) -> list[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from shardfit.errors import ShardfitError
 from shardfit.spec.planfile import DuplicateKey, json_load_unique, yaml_load_unique
+from shardfit.spec.plan import is_deepspeed_kind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,7 +223,7 @@ def from_hf_args(d: dict, base: Path | None = None) -> dict:
 def from_plan(d: dict) -> dict:
     s, t, c = d.get("strategy") or {}, d.get("training") or {}, d.get("cluster") or {}
     kind = str(s.get("kind", "ddp")).lower()
-    facts: dict = {"engine": "deepspeed" if kind.startswith("zero") else kind, "model_ref": d.get("model"),
+    facts: dict = {"engine": "deepspeed" if is_deepspeed_kind(kind) else kind, "model_ref": d.get("model"),
                    "micro_batch": _int(t.get("micro_batch", 1)), "grad_accum": _int(t.get("grad_accum", 1)),
                    "seq_len": _int(t.get("seq_len", 2048)), "precision": str(t.get("precision", "bf16")).replace("-pure", ""),
                    "activation_checkpointing": str(t.get("activation_checkpointing", "none")).lower() not in ("none", "off", "0"),
@@ -231,7 +232,7 @@ def from_plan(d: dict) -> dict:
         facts["loss_scaling"] = t.get("loss_scaling") is not False
     nodes, gpus = _int(c.get("nodes", 1)), _int(c.get("gpus_per_node", 8))
     facts.update(nodes=nodes, world_size=nodes * gpus if nodes and gpus else None, gpu=c.get("gpu"))
-    if kind.startswith("zero"):
+    if is_deepspeed_kind(kind):
         facts["zero_stage"] = int(kind[-1])
         facts["buckets"] = tuple((key, float(s[name])) for name, key in (
             ("reduce_bucket_size", "reduce_bucket_size"), ("allgather_bucket_size", "allgather_bucket_size"),

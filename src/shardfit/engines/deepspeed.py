@@ -48,9 +48,6 @@ def setup(plan, model, ctx) -> base.Engine:
     import deepspeed
 
     s, t = plan.strategy, plan.training
-    if plan.schedule.nan_policy == "skip":
-        raise ShardfitError("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop; "
-                            "fp16 overflow steps are skipped by DeepSpeed's loss scaler anyway")
     if t.optimizer not in ("adamw", "adamw8bit"):
         # adamw8bit runs as a client optimizer over ZeRO's flat fp32 partitions (plain tensors, which
         # bitsandbytes' kernels take); validate_plan rules it out under optimizer offload.

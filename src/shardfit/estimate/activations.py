@@ -51,7 +51,7 @@ def activation_profile(model, regime: str, attention: str, lora, device: str = "
     not the weight trains); hand-written families only. seq: a sequence longer than a derived model's
     sliding window runs other code (derived.window_of). adapters_half: the engine computes the adapters in
     16-bit (FSDP2's MixedPrecisionPolicy gathers them in param_dtype; DeepSpeed's bf16/fp16 mode casts the
-    module), so peft's adapter path casts nothing to fp32 (estimator.adapters_in_half)."""
+    module), so peft's adapter path casts nothing to fp32 (step_activations.adapters_in_half)."""
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     if key_lora is not None and frozen_linears_save and not model.derived:
         key_lora += ("linear-inputs-saved",)
@@ -380,26 +380,4 @@ def checkpointed_blocks(num_layers: int, every: int) -> int:
     return (num_layers + every - 1) // every
 
 
-def saved_activation_bytes(profile: Profile, tokens: int, seq: int, num_layers: int, checkpointed: int,
-                           selective: tuple = (0.0, 0.0)) -> tuple:
-    # Source: Korthikanti et al. 2022 sec. 4 (full recompute keeps the block input), adapted per block;
-    # selective: what per-op SAC keeps besides the input (selective_kept).
-    samples = tokens // max(seq, 1)
-    per_block = (profile.block * tokens + profile.block_quad * tokens * seq + profile.block_per_position * seq
-                 + profile.block_per_position_quad * seq * seq + profile.block_per_sample * samples)
-    kept = profile.ckpt_input * tokens + selective[0] * tokens + selective[1] * tokens * seq
-    blocks = (num_layers - checkpointed) * (per_block + profile.block_const) + checkpointed * kept
-    if not checkpointed:
-        blocks -= profile.first_block_discount * tokens
-    head = (profile.head * tokens + profile.head_quad * tokens * seq + profile.per_position * seq
-            + profile.head_per_position_quad * seq * seq + profile.head_per_sample * samples + profile.head_const)
-    return int(blocks), int(head), int(per_block)
-
-
-def autocast_weight_copy_bytes(profile: Profile, num_layers: int, checkpointed: int) -> int:
-    # Source: torch.autocast's cast cache: 16-bit copies of the weights, held by the saved graph until
-    # backward frees them; checkpointed blocks drop theirs after forward.
-    return int((num_layers - checkpointed) * profile.weight_copies + profile.head_weight_copy)
-
-
-__all__ = ["Profile", "activation_profile", "checkpointed_blocks", "saved_activation_bytes", "DTYPE_BYTES"]
+__all__ = ["Profile", "activation_profile", "checkpointed_blocks", "DTYPE_BYTES"]

@@ -19,6 +19,8 @@ With c = ceil(b*s / chunks) rows per chunk, d the compute dtype's bytes (4 for f
 """
 from __future__ import annotations
 
+from shardfit.spec.plan import is_deepspeed_kind
+
 
 def chunked_loss_bytes(model, regime: str, kind: str, micro_batch: int, seq: int, chunks: int,
                        head_trains: bool, a_head: int, term=None) -> tuple[int, int, int, int, int]:
@@ -38,7 +40,7 @@ def chunked_loss_bytes(model, regime: str, kind: str, micro_batch: int, seq: int
     # The weight's gradient: the .grad itself on single / DDP; a temporary under autocast (a 16-bit cast's
     # gradient) and under DeepSpeed (its hooks move .grad into a bucket); FSDP counts it with its buffers.
     as_grad = regime != "autocast" and kind in ("single", "ddp")
-    temporary = regime == "autocast" or kind.startswith("zero")
+    temporary = regime == "autocast" or is_deepspeed_kind(kind)
     backward = chunk + 4 * rows + tokens * hidden * d + 24 * tokens + (grad_weight if temporary else 0)
     grads = grad_weight if as_grad else 0
     out = int(saved), int(forward), int(inputs), int(backward), int(grads)

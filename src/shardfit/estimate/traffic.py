@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from shardfit.estimate import activations as act
 from shardfit.estimate import temporaries as tmp
-from shardfit.estimate.estimator import precision_regime
+from shardfit.estimate.step_activations import precision_regime, saved_activation_bytes
 from shardfit.spec.plan import is_selective_ac, parse_activation_checkpointing
 
 # written in forward + read in backward + gradient written + gradient read
@@ -31,7 +31,7 @@ def micro_batch_traffic_bytes(plan) -> int:
     regime = precision_regime(t.precision, plan.strategy.kind, t.lora)
     prof = act.activation_profile(model, regime, t.attention, t.lora, seq=t.seq_len)
     tokens, seq = t.micro_batch * t.seq_len, t.seq_len
-    blocks, head, _ = act.saved_activation_bytes(prof, tokens, seq, model.num_layers, 0)
+    blocks, head, _ = saved_activation_bytes(prof, tokens, seq, model.num_layers, 0)
     # The loss' fp32 log_softmax and its b·s·V gradients are not saved activations but move as much.
     loss = tmp.loss_forward_bytes(tokens, prof.loss_fwd_temp) + tmp.loss_backward_bytes(tokens, prof.loss_bwd_temp)
     saved = blocks + head + loss

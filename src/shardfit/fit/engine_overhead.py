@@ -30,7 +30,7 @@ the installed DeepSpeed on the machine at hand (GPU.measured.hooks), which repla
 from __future__ import annotations
 
 from shardfit.estimate.activations import checkpointed_blocks
-from shardfit.estimate.estimator import precision_regime
+from shardfit.estimate.step_activations import precision_regime
 from shardfit.estimate.selective import selective_block_ops
 from shardfit.estimate.states import model_linears
 from shardfit.spec.gpus import GPU

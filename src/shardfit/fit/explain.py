@@ -97,7 +97,7 @@ def explain_rejections(best, found, smallest, all_families, searched_tiers, sear
             if not search.host_ok(plan):
                 out.append(Rejection(family=fam.label, reason=(
                     f"does not fit in host RAM: {fmt_bytes(search.host_bytes(plan))} per node at micro-batch 1 > "
-                    f"{search.request.host_memory_gib:g} GiB (--host-memory-gib)")))
+                    f"{search.request.base.cluster.host_memory_gib:g} GiB (--host-memory-gib)")))
                 continue
             out.append(Rejection(family=fam.label, reason=(
                 f"does not fit: {fmt_bytes(peak)} at micro-batch 1 with AC {plan.training.activation_checkpointing}"

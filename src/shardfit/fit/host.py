@@ -22,9 +22,9 @@ def assumed_host_gib(gpu, gpus_per_node: int) -> float:
 
 def host_limit(request, gpu) -> tuple[float, bool]:
     """(host RAM per node in GiB, True when it is the assumption rather than --host-memory-gib)."""
-    if request.host_memory_gib is not None:
-        return request.host_memory_gib, False
-    return assumed_host_gib(gpu, request.gpus_per_node), True
+    if request.base.cluster.host_memory_gib is not None:
+        return request.base.cluster.host_memory_gib, False
+    return assumed_host_gib(gpu, request.base.cluster.gpus_per_node), True
 
 
 def assumption_note(request, gpu) -> str:

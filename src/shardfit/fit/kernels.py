@@ -18,9 +18,9 @@ def optimizer_impl_for(request, strategy) -> str:
     """fused for torch's AdamW / SGD (CUDA, and CPU since torch 2.4; DTensors under FSDP2; DeepSpeed's client
     optimizer, or its FusedAdam in an emitted config); auto where the optimizer has its own kernel
     (8-bit AdamW, Lion, Adafactor) or DeepSpeed offload runs DeepSpeedCPUAdam. --optimizer-impl pins it."""
-    if request.optimizer_impl:
-        return request.optimizer_impl
-    if request.optimizer not in ("adamw", "sgd"):
+    if request.pins.optimizer_impl:
+        return request.pins.optimizer_impl
+    if request.base.training.optimizer not in ("adamw", "sgd"):
         return "auto"
     if strategy.is_deepspeed and strategy.offload_optimizer:
         return "auto"
@@ -29,8 +29,8 @@ def optimizer_impl_for(request, strategy) -> str:
 
 def loss_options(request, model) -> tuple[str, ...]:
     """The losses searched: as asked (--loss), else standard and, as the rung after it, chunked."""
-    if request.loss:
-        return (request.loss,)
+    if request.pins.loss:
+        return (request.pins.loss,)
     if not model.has_shape or model.family in CHUNKED_UNSUPPORTED:
         return ("standard",)
     return ("standard", "chunked")
@@ -57,7 +57,7 @@ def kernel_notes(search, best, request) -> list[str]:
         return []
     plan, t = best.plan, best.plan.training
     notes = []
-    if t.loss == "chunked" and not request.loss:
+    if t.loss == "chunked" and not request.pins.loss:
         standard = with_loss(plan, "standard", t.loss_chunks)
         notes.append(f"chunked cross-entropy: head + loss in {t.loss_chunks} row chunks, logits recomputed in "
                      f"backward (+2*V*h FLOPs per token): without it this plan needs {fmt_bytes(search.peak(standard))} "
@@ -72,9 +72,9 @@ def kernel_notes(search, best, request) -> list[str]:
             line += f"; foreach would add {fmt_bytes(extra)} per GPU" + (
                 f" ({fmt_bytes(search.peak(foreach))} > {fmt_bytes(search.usable)} usable: it would not fit)"
                 if not search.fits(foreach) else "")
-        notes.append(line + ("" if request.optimizer_impl else " (--optimizer-impl to pin another)"))
+        notes.append(line + ("" if request.pins.optimizer_impl else " (--optimizer-impl to pin another)"))
     else:
-        notes.append(f"optimizer step: {impl}" + (" (as asked)" if request.optimizer_impl else
-                                                  f" ({request.optimizer} brings its own kernel)" if request.optimizer != "adamw"
+        notes.append(f"optimizer step: {impl}" + (" (as asked)" if request.pins.optimizer_impl else
+                                                  f" ({request.base.training.optimizer} brings its own kernel)" if request.base.training.optimizer != "adamw"
                                                   else " (DeepSpeed's CPU Adam runs the offloaded step)"))
     return notes

@@ -14,46 +14,46 @@ PIN_FLAGS = (("ac", "--ac"), ("micro_batch", "--micro-batch"), ("strategy", "--s
 
 def pinned(request) -> list[str]:
     """The pins a request carries, as flags with their values (`--ac full`)."""
-    return [f"{flag} {getattr(request, name)}" for name, flag in PIN_FLAGS if getattr(request, name, None) is not None]
+    return [f"{flag} {request.knob(name)}" for name, flag in PIN_FLAGS if request.knob(name) is not None]
 
 
 def pin_ac(request, ac_options: tuple[str, ...], selective: bool) -> tuple[str, ...]:
-    if request.ac is None:
+    if request.pins.ac is None:
         return ac_options
-    parse_activation_checkpointing(request.ac)  # a bad value fails here, in one line
-    if is_selective_ac(request.ac) and not selective:
-        raise ShardfitError(f"--ac {request.ac}: per-op selective checkpointing needs the model's block shapes, which "
-                            f"{request.model.name} does not have: use none, full or every-N")
-    return (request.ac,)
+    parse_activation_checkpointing(request.pins.ac)  # a bad value fails here, in one line
+    if is_selective_ac(request.pins.ac) and not selective:
+        raise ShardfitError(f"--ac {request.pins.ac}: per-op selective checkpointing needs the model's block shapes, which "
+                            f"{request.base.model.name} does not have: use none, full or every-N")
+    return (request.pins.ac,)
 
 
 def pin_micro_batch(request, micro_options: list[int], per_rank: int) -> list[int]:
-    if request.micro_batch is None:
+    if request.pins.micro_batch is None:
         return micro_options
-    if request.micro_batch < 1 or per_rank % request.micro_batch:
+    if request.pins.micro_batch < 1 or per_rank % request.pins.micro_batch:
         fitting = ", ".join(str(d) for d in range(1, per_rank + 1) if per_rank % d == 0)
-        raise ShardfitError(f"--micro-batch {request.micro_batch} does not divide the {per_rank} sequences per GPU "
-                            f"(global batch over {request.world_size} GPUs): use one of {fitting}, or change "
+        raise ShardfitError(f"--micro-batch {request.pins.micro_batch} does not divide the {per_rank} sequences per GPU "
+                            f"(global batch over {request.base.cluster.world_size} GPUs): use one of {fitting}, or change "
                             "--global-batch")
-    return [request.micro_batch]
+    return [request.pins.micro_batch]
 
 
 def pin_strategy(request, families: list[Family]) -> list[Family]:
     """The one family the pinned strategy is: a family fit knows, or the strategy as given."""
-    if request.strategy is None:
+    if request.pins.strategy is None:
         return families
-    strategy = parse_strategy(request.strategy)
+    strategy = parse_strategy(request.pins.strategy)
     if "nvme" in (strategy.offload_params, strategy.offload_optimizer):
-        strategy = replace(strategy, nvme_path=request.nvme_path or NVME_PLACEHOLDER)
+        strategy = replace(strategy, nvme_path=request.options.nvme_path or NVME_PLACEHOLDER)
     engine = engine_of(strategy)
-    if engine not in request.engines:
-        raise ShardfitError(f"--strategy {request.strategy} is a {engine} plan but --engine {','.join(request.engines)} "
+    if engine not in request.options.engines:
+        raise ShardfitError(f"--strategy {request.pins.strategy} is a {engine} plan but --engine {','.join(request.options.engines)} "
                             f"leaves {engine} out: add it to --engine, or drop one of the two")
     for fam in families:
         if fam.strategy == strategy:
             return [fam]
-    if strategy.kind == "single" and request.world_size != 1:
-        raise ShardfitError(f"--strategy single runs on one GPU, not {request.world_size}: use --gpus 1, or a "
+    if strategy.kind == "single" and request.base.cluster.world_size != 1:
+        raise ShardfitError(f"--strategy single runs on one GPU, not {request.base.cluster.world_size}: use --gpus 1, or a "
                             "data-parallel strategy (ddp, fsdp2, zero3, ...)")
     tier = 2 if "nvme" in strategy.label else (1 if "offload" in strategy.label else 0)
     return [Family(strategy.label, strategy, 0, tier)]
@@ -62,7 +62,7 @@ def pin_strategy(request, families: list[Family]) -> list[Family]:
 def pin_error(request, result, fit) -> ShardfitError | None:
     """When the pins are what makes nothing fit: one line naming the pin and what fits without it (found by
     fitting again with each pin dropped alone, then all). None when nothing fits without the pins either."""
-    pins = [(name, flag) for name, flag in PIN_FLAGS if getattr(request, name, None) is not None]
+    pins = [(name, flag) for name, flag in PIN_FLAGS if request.knob(name) is not None]
     if not pins:
         return None
     leanest = min((peak for peak, _ in result.smallest.values()), default=None)
@@ -72,7 +72,7 @@ def pin_error(request, result, fit) -> ShardfitError | None:
     tries = [[p] for p in pins] + ([pins] if len(pins) > 1 else [])
     for dropped in tries:
         try:
-            other = fit(replace(request, **{name: None for name, _ in dropped}))
+            other = fit(request.with_changes(**{name: None for name, _ in dropped}))
         except ShardfitError:
             continue  # the pins left in still make nothing fit
         if other.best is not None:

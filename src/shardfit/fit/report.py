@@ -20,9 +20,12 @@ def _step(c, world: int, gpu) -> str:
 
 def format_text(result) -> str:
     r = result.request
-    world = r.world_size
-    lines = [f"fit {r.model.name} on {world} x {result.gpu.name} ({r.nodes} node{'s' if r.nodes > 1 else ''} x "
-             f"{r.gpus_per_node}), seq {r.seq_len}" + (f", LoRA r={r.lora.rank} ({r.lora.base_dtype} base)" if r.lora else "")]
+    base = r.base
+    cluster, lora = base.cluster, base.training.lora
+    world = cluster.world_size
+    lines = [f"fit {base.model.name} on {cluster.world_size} x {result.gpu.name} ({cluster.nodes} "
+             f"node{'s' if cluster.nodes > 1 else ''} x {cluster.gpus_per_node}), seq {base.training.seq_len}"
+             + (f", LoRA r={lora.rank} ({lora.base_dtype} base)" if lora else "")]
     lines += [f"  {note}" for note in result.notes]
     lines.append("")
     if result.best is None:
@@ -77,7 +80,7 @@ def _candidate(c, world, gpu) -> dict:
 
 
 def to_json(result) -> dict:
-    world = result.request.world_size
+    world = result.request.base.cluster.world_size
     return {"fits": result.fits, "gpu": result.gpu.name, "usable_bytes": result.usable_bytes,
             "best": _candidate(result.best, world, result.gpu) if result.best else None,
             "plan": result.best.plan.to_dict() if result.best else None,

@@ -50,9 +50,9 @@ BOTH = Rung("8-bit AdamW + pure bf16", (("optimizer", "adamw8bit"), ("precision"
 def rungs_for(request, precision: str) -> list[Rung]:
     """The rungs this request leaves open, in the order they are tried. `precision` is the one fit
     resolved (bf16 on GPUs that support it)."""
-    allowed = set(getattr(request, "rungs", RUNG_NAMES))
-    eight = "adamw8bit" in allowed and request.optimizer == "adamw"
-    pure = "bf16-pure" in allowed and request.precision is None and precision == "bf16"
+    allowed = set(request.options.rungs)
+    eight = "adamw8bit" in allowed and request.base.training.optimizer == "adamw"
+    pure = "bf16-pure" in allowed and request.pins.precision is None and precision == "bf16"
     out = []
     if eight:
         out.append(EIGHT_BIT)

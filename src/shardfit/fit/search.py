@@ -19,50 +19,15 @@ from shardfit.fit.kernels import chunked_rung, kernel_notes, loss_options, optim
 from shardfit.fit.steptime import StepTime, step_time
 from shardfit.fit.suggest import suggest
 from shardfit.fit.pins import pin_ac, pin_error, pin_micro_batch, pin_strategy, pinned
-from shardfit.fit.rungs import RUNG_NAMES, rung_note, rungs_for
+from shardfit.fit.request import FitRequest
+from shardfit.fit.rungs import rung_note, rungs_for
 from shardfit.spec.fsdp_units import separate_embedding_units
 from shardfit.spec.gpus import GPU, get_gpu
-from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS
-from shardfit.spec.model_spec import ModelSpec
-from shardfit.spec.plan import LoRA, Plan, validate_plan
+from shardfit.spec.plan import Plan, validate_plan
 from shardfit.units import fmt_bytes
 
 GIB = 1024**3
 MAX_MICRO_BATCH = 64
-
-
-@dataclass(frozen=True, kw_only=True)
-class FitRequest:
-    model: ModelSpec
-    gpu: str = "H100-80GB"
-    gpus_per_node: int = 8
-    nodes: int = 1
-    seq_len: int = 2048
-    global_batch: int | None = None  # sequences per optimizer step; None = 4 per GPU
-    lora: LoRA | None = None
-    margin: float = 0.10
-    precision: str | None = None  # None = bf16 where supported, else fp16 with loss scaling
-    optimizer: str = "adamw"
-    engines: tuple[str, ...] = ("single", "ddp", "deepspeed", "fsdp")  # single: searched on one GPU only
-    device: str = "cuda"  # "cpu": compare tensor bytes only (no CUDA context, NCCL or allocator rounding)
-    host_memory_gib: float | None = None
-    nvme_path: str | None = None  # the NVMe mount for ZeRO-Infinity plans
-    top: int = 3
-    base: Plan | None = None  # carries schedule / data into the result
-    device_profile: GPU | None = None  # calibrated rates (--device-profile); memory and plans still name `gpu`
-    loss: str | None = None  # standard | chunked (--loss); None = fit tries chunked where it makes a plan fit
-    loss_chunks: int = DEFAULT_LOSS_CHUNKS
-    optimizer_impl: str | None = None  # auto | foreach | single | fused; None = fit chooses (fit/kernels.py)
-    # State rungs (fit/rungs.py) fit may climb before offload; the CLI drops one whose knob is pinned.
-    rungs: tuple[str, ...] = RUNG_NAMES
-    # Pinned knobs (fit/pins.py): fit searches only the rest.
-    ac: str | None = None  # activation checkpointing: none, selective, full, every-N
-    micro_batch: int | None = None
-    strategy: str | None = None  # a strategy label, as `plan --strategy` takes it
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.gpus_per_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,8 +100,8 @@ def divisors(n: int, cap: int = MAX_MICRO_BATCH) -> list[int]:
 
 
 def _precision(request: FitRequest, gpu: GPU) -> tuple[str, bool | None, str]:
-    if request.precision:
-        return request.precision, (True if request.precision == "fp16" else None), f"precision {request.precision} (as asked)"
+    if request.pins.precision:
+        return request.pins.precision, (True if request.pins.precision == "fp16" else None), f"precision {request.pins.precision} (as asked)"
     if gpu.supports_bf16:
         return "bf16", None, f"bf16: {gpu.name} supports it (no loss scaling needed)"
     return "fp16", True, f"fp16 with dynamic loss scaling: {gpu.name} has no bf16"
@@ -145,9 +110,9 @@ def _precision(request: FitRequest, gpu: GPU) -> tuple[str, bool | None, str]:
 class _Search:
     def __init__(self, request: FitRequest, estimate_fn):
         self.request = request
-        self.estimate = _estimate_fn(estimate_fn, request.device)
-        self.gpu = request.device_profile or get_gpu(request.gpu)
-        self.usable = int(self.gpu.memory_bytes * (1.0 - request.margin))
+        self.estimate = _estimate_fn(estimate_fn, request.options.device)
+        self.gpu = request.options.device_profile or get_gpu(request.base.cluster.gpu)
+        self.usable = int(self.gpu.memory_bytes * (1.0 - request.options.margin))
         self.calls = 0
         self._cache: dict = {}
 
@@ -160,7 +125,7 @@ class _Search:
 
     def peak(self, plan: Plan) -> int:
         est = self.run(plan)
-        return est.device_peak_bytes if self.request.device == "cuda" else est.peak_bytes
+        return est.device_peak_bytes if self.request.options.device == "cuda" else est.peak_bytes
 
     def host_bytes(self, plan: Plan) -> int:
         """Host RAM per node (offloaded states, pinned buffers)."""
@@ -170,7 +135,7 @@ class _Search:
         return self.run(plan).nvme_bytes * plan.cluster.gpus_per_node
 
     def host_ok(self, plan: Plan) -> bool:
-        limit = self.request.host_memory_gib
+        limit = self.request.base.cluster.host_memory_gib
         return limit is None or self.host_bytes(plan) <= limit * GIB
 
     def fits(self, plan: Plan, limit: int | None = None) -> bool:
@@ -184,18 +149,16 @@ def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, pe
         changes = bucket_changes(buckets, base.model.hidden_size)
         if changes:
             strategy = replace(strategy, **changes)
+    # The base Plan already holds the request's model, cluster, sequence, LoRA, optimizer and loss chunks.
     return base.with_changes(
         strategy=strategy,
         training={"micro_batch": micro, "grad_accum": per_rank // micro, "seq_len": seq, "precision": precision,
-                  "loss_scaling": loss_scaling, "activation_checkpointing": ac, "lora": request.lora,
-                  "optimizer": request.optimizer, "optimizer_impl": optimizer_impl_for(request, strategy),
-                  "loss": request.loss or "standard", "loss_chunks": request.loss_chunks,
+                  "loss_scaling": loss_scaling, "activation_checkpointing": ac,
+                  "optimizer_impl": optimizer_impl_for(request, strategy), "loss": request.pins.loss or "standard",
                   # a state rung's optimizer has its own kernel: its implementation is "auto"
-                  **({"optimizer_impl": request.optimizer_impl or "auto"} if (rung_training or {}).get("optimizer")
+                  **({"optimizer_impl": request.pins.optimizer_impl or "auto"} if (rung_training or {}).get("optimizer")
                      not in (None, "adamw", "sgd") else {}),
-                  **(rung_training or {})},
-        cluster={"nodes": request.nodes, "gpus_per_node": request.gpus_per_node, "gpu": request.gpu,
-                 "host_memory_gib": request.host_memory_gib})
+                  **(rung_training or {})})
 
 
 def _largest_fitting(search: _Search, make, micro_options: list[int]) -> Plan | None:
@@ -229,7 +192,7 @@ def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_opt
     """Each AC setting and buffer variant's largest fitting micro-batch (and the chunked loss's, where it
     is what makes the setting fit), ranked; and, when none fits, the leanest plan tried."""
     cands: list[Candidate] = []
-    losses = loss_options(search.request, search.request.model)
+    losses = loss_options(search.request, search.request.base.model)
     lean: tuple[int, Plan] | None = None
     variants = BUCKET_VARIANTS if fam.strategy.is_deepspeed else ("default",)
     for ac in ac_options:
@@ -239,11 +202,11 @@ def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_opt
             chunked = None
             if "chunked" in losses and make(micro_options[0]).training.loss == "standard":  # the next rung
                 chunked = chunked_rung(lambda m: _largest_fitting(search, m, micro_options), make, micro_options,
-                                       plan, search.request.loss_chunks)
+                                       plan, search.request.base.training.loss_chunks)
             if plan is None and chunked is None:
                 tried = make(micro_options[0])
                 if "chunked" in losses:
-                    tried = with_loss(tried, "chunked", search.request.loss_chunks)
+                    tried = with_loss(tried, "chunked", search.request.base.training.loss_chunks)
                 peak = search.peak(tried) if search.host_ok(tried) else 2**62
                 if lean is None or peak <= lean[0]:  # ties go to the later, leaner setting
                     lean = (peak, tried)
@@ -262,7 +225,7 @@ def _climb_rungs(search: _Search, request: FitRequest, precision: str, loss_scal
     into `found`; the rung is returned (None when none makes anything fit)."""
     for rung in rungs_for(request, precision):
         def make_for(fam: Family, ac: str, buckets: str, rung=rung):
-            return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
+            return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.base.training.seq_len, precision,
                                             loss_scaling, request, rung.training)
         hits = {}
         for fam in (f for f in all_families if f.tier == 0):
@@ -281,41 +244,41 @@ def _climb_rungs(search: _Search, request: FitRequest, precision: str, loss_scal
 
 def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     """The fastest plan predicted to fit with margin, alternatives, and why each family lost."""
-    if not 0 <= request.margin < 1:
-        raise ShardfitError(f"--margin must be between 0 and 1 (a fraction of device memory), got {request.margin}")
-    if request.seq_len < 1 or request.gpus_per_node < 1 or request.nodes < 1:
+    base, options = request.base, request.options
+    model, cluster = base.model, base.cluster
+    if not 0 <= options.margin < 1:
+        raise ShardfitError(f"--margin must be between 0 and 1 (a fraction of device memory), got {options.margin}")
+    if request.base.training.seq_len < 1 or cluster.gpus_per_node < 1 or cluster.nodes < 1:
         raise ShardfitError("--seq, --gpus and --nodes must be at least 1")
     search = _Search(request, estimate_fn)
-    world = request.world_size
-    global_batch = request.global_batch or 4 * world
+    world = cluster.world_size
+    global_batch = options.global_batch or 4 * world
     if global_batch < world or global_batch % world:
         lower, upper = (global_batch // world) * world, -(-global_batch // world) * world
         hint = f"{lower} or {upper}" if lower else f"{upper}"
         raise ShardfitError(f"--global-batch {global_batch} is not a multiple of the {world} GPUs: use {hint}")
     per_rank = global_batch // world
     precision, loss_scaling, precision_note = _precision(request, search.gpu)
-    base = request.base or Plan(model=request.model)
-    base = base.with_changes(model=request.model) if base.model != request.model else base
     notes = [precision_note,
              f"global batch {global_batch} = micro-batch x accumulation x {world} GPUs ({per_rank} sequences per GPU)",
              f"usable memory {fmt_bytes(search.usable)} of {search.gpu.memory_gib:g} GiB "
-             f"({request.margin:.0%} margin{'' if request.device == 'cuda' else ', tensor bytes only: CPU run'})",
+             f"({options.margin:.0%} margin{'' if options.device == 'cuda' else ', tensor bytes only: CPU run'})",
              assumption_note(request, search.gpu)]
     micro_options = divisors(per_rank)
-    ac_options = AC_OPTIONS if request.model.has_shape else ("none",)
-    if not selective_available(request.model):
+    ac_options = AC_OPTIONS if model.has_shape else ("none",)
+    if not selective_available(model):
         ac_options = tuple(ac for ac in ac_options if ac != "selective")
-    all_families = [f for f in families(request.gpus_per_node, request.nodes, request.model.hidden_size, request.nvme_path)
-                    if engine_of(f.strategy) in request.engines]
+    all_families = [f for f in families(cluster.gpus_per_node, cluster.nodes, model.hidden_size, options.nvme_path)
+                    if engine_of(f.strategy) in options.engines]
     if not all_families:
-        raise ShardfitError(f"--engine {','.join(request.engines)} leaves nothing to search on {world} GPU(s): use "
+        raise ShardfitError(f"--engine {','.join(options.engines)} leaves nothing to search on {world} GPU(s): use "
                             "ddp, deepspeed or fsdp (single is for one GPU)")
-    ac_options = pin_ac(request, ac_options, selective_available(request.model))
+    ac_options = pin_ac(request, ac_options, selective_available(model))
     micro_options = pin_micro_batch(request, micro_options, per_rank)
     all_families = pin_strategy(request, all_families)
 
     def make_for(fam: Family, ac: str, buckets: str):
-        return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.seq_len, precision,
+        return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.base.training.seq_len, precision,
                                         loss_scaling, request)
 
     # Families the request rules out (e.g. DeepSpeed offload with 8-bit Adam, pure bf16 on DeepSpeed).
@@ -356,7 +319,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     ranked.sort(key=lambda c: over_assumed(c.host_bytes, request, search.gpu))
     best = ranked[0] if ranked else None
     if best is not None and best.rung:
-        full = best.plan.with_changes(training={"optimizer": request.optimizer, "precision": precision})
+        full = best.plan.with_changes(training={"optimizer": request.base.training.optimizer, "precision": precision})
         before = search.peak(full)
         notes.append(rung_note(rung, best.family, before - best.peak_bytes, before, best.peak_bytes, fmt_bytes))
     if best is not None and separate_embedding_units(best.plan.strategy, best.plan.model):
@@ -370,11 +333,11 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         if over_assumed(best.host_bytes, request, search.gpu):
             notes.append(f"WARNING: the best plan needs {needs_text(best.host_bytes, best.nvme_bytes, request, search.gpu)}")
     notes += kernel_notes(search, best, request)
-    alternatives = tuple(ranked[1:1 + request.top])
+    alternatives = tuple(ranked[1:1 + options.top])
     rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
     rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]
     suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling))
-    largest = largest_term(estimate(best.plan, device=request.device, explain=True)) if best and estimate_fn is None else None
+    largest = largest_term(estimate(best.plan, device=options.device, explain=True)) if best and estimate_fn is None else None
     result = FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
                        alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
                        suggestions=suggestions, estimates=search.calls, smallest=smallest,

@@ -8,7 +8,6 @@ full activation checkpointing), so a lever that does not make a plan fit says ho
 """
 from __future__ import annotations
 
-from dataclasses import replace
 
 from shardfit.errors import ShardfitError
 from shardfit.estimate.lora_targets import lora_for
@@ -21,10 +20,10 @@ from shardfit.units import fmt_bytes
 
 def _lean_strategies(request) -> list[tuple[str, Strategy]]:
     out = []
-    if "deepspeed" in request.engines or "fsdp" not in request.engines:
+    if "deepspeed" in request.options.engines or "fsdp" not in request.options.engines:
         out += [("zero3", Strategy(kind="zero3")),
                 ("zero3+offload", Strategy(kind="zero3", offload_optimizer="cpu", offload_params="cpu"))]
-    if "fsdp" in request.engines:
+    if "fsdp" in request.options.engines:
         out += [("fsdp2", Strategy(kind="fsdp2")), ("fsdp2+offload", Strategy(kind="fsdp2", offload_params="cpu")),
                 # FSDP1 last: what 8-bit AdamW runs on (bitsandbytes rejects FSDP2's DTensors).
                 ("fsdp:full_shard", Strategy(kind="fsdp")),
@@ -36,11 +35,11 @@ def _lean_plan(base, request, precision, loss_scaling, strategy: Strategy, req):
     """The leanest plan of a strategy: micro-batch 1, full activation checkpointing."""
     return base.with_changes(
         strategy=strategy,
-        training={"micro_batch": 1, "grad_accum": 1, "seq_len": req.seq_len, "precision": req.precision or precision,
+        training={"micro_batch": 1, "grad_accum": 1, "seq_len": req.base.training.seq_len, "precision": req.pins.precision or precision,
                   "loss_scaling": loss_scaling, "activation_checkpointing": "full" if base.model.has_shape else "none",
-                  "lora": req.lora, "optimizer": req.optimizer},
-        cluster={"nodes": req.nodes, "gpus_per_node": req.gpus_per_node, "gpu": req.gpu,
-                 "host_memory_gib": req.host_memory_gib})
+                  "lora": req.base.training.lora, "optimizer": req.base.training.optimizer},
+        cluster={"nodes": req.base.cluster.nodes, "gpus_per_node": req.base.cluster.gpus_per_node, "gpu": req.base.cluster.gpu,
+                 "host_memory_gib": req.base.cluster.host_memory_gib})
 
 
 class _Levers:
@@ -52,9 +51,9 @@ class _Levers:
     def best(self, **overrides):
         """(fits, label, peak bytes, host bytes, nvme bytes) of the first lean strategy that fits with
         these request changes, else of the one closest to fitting; None when no strategy is valid."""
-        req = replace(self.request, **overrides)
-        gpu = get_gpu(req.gpu)
-        limit = int(gpu.memory_bytes * (1.0 - req.margin))
+        req = self.request.with_changes(**overrides)
+        gpu = get_gpu(req.base.cluster.gpu)
+        limit = int(gpu.memory_bytes * (1.0 - req.options.margin))
         closest = None
         for label, strategy in self.strategies:
             plan = _lean_plan(self.base, req, self.precision, self.loss_scaling, strategy, req)
@@ -65,7 +64,7 @@ class _Levers:
                 continue  # e.g. 8-bit Adam under DeepSpeed's CPU offload
             est = self.search.run(plan)
             row = (self.search.fits(plan, limit), label, peak, self.search.host_bytes(plan),
-                   est.nvme_bytes * req.gpus_per_node)
+                   est.nvme_bytes * req.base.cluster.gpus_per_node)
             if row[0]:
                 return row
             if self.search.host_ok(plan) and (closest is None or peak < closest[2]):
@@ -89,7 +88,7 @@ def suggest(search, base, request, precision, loss_scaling) -> list[str]:
            "activation checkpointing"]
     model = base.model
     if model.has_shape and model.family != "params":
-        current = request.lora
+        current = request.base.training.lora
         tries = []
         if current is None:
             tries.append(("LoRA", lora_for(model), "--lora-r 16"))
@@ -101,15 +100,15 @@ def suggest(search, base, request, precision, loss_scaling) -> list[str]:
             if row:
                 out.append(levers.line(lever, flags, row, f"adapts {','.join(lora.target_modules)}"))
     # Every rung the hardware allows, pinned or not: a suggestion says what would change.
-    for rung in rungs_for(replace(request, rungs=RUNG_NAMES, optimizer="adamw" if request.optimizer == "adamw8bit"
-                                  else request.optimizer, precision=None), precision):
-        if all(getattr(request, k) == v for k, v in rung.changes):
+    for rung in rungs_for(request.with_changes(rungs=RUNG_NAMES, optimizer="adamw" if request.base.training.optimizer == "adamw8bit"
+                                  else request.base.training.optimizer, precision=None), precision):
+        if all(request.knob(k) == v for k, v in rung.changes):
             continue  # already asked for
         row = levers.best(**rung.training)
         if row:
             out.append(levers.line(rung.name, rung.flags, row, f"cost: {rung.cost}"))
     if model.has_shape:
-        seq, closest = request.seq_len // 2, None
+        seq, closest = request.base.training.seq_len // 2, None
         while seq >= 128:
             row = levers.best(seq_len=seq)
             if row and row[0]:
@@ -121,12 +120,12 @@ def suggest(search, base, request, precision, loss_scaling) -> list[str]:
             if closest:
                 out.append(levers.line("shorter sequence", f"--seq {closest[0]}", closest[1]))
     for factor in (2, 4, 8, 16, 32, 64, 128):
-        nodes = request.nodes * factor
+        nodes = request.base.cluster.nodes * factor
         row = levers.best(nodes=nodes)
         if row and row[0]:
-            gpus = nodes * request.gpus_per_node
+            gpus = nodes * request.base.cluster.gpus_per_node
             out.append(levers.line("more GPUs", f"--gpus {gpus} --nodes {nodes} ({nodes} nodes x "
-                                   f"{request.gpus_per_node})", row))
+                                   f"{request.base.cluster.gpus_per_node})", row))
             break
     for gpu in sorted(CATALOG.values(), key=lambda g: g.memory_gib):
         if gpu.memory_gib <= search.gpu.memory_gib * 1.1:  # only a real step up

@@ -117,13 +117,13 @@ def verify(result, steps: int = PROFILED_STEPS, timeout: float = 900, timed_step
     predicted = int(peak.get("predicted") or local_est.peak_bytes)
     if measured_bytes <= 0:
         raise ShardfitError("--verify: the run reported no memory measurement")
-    full = estimate(plan, device=result.request.device)
+    full = estimate(plan, device=result.request.options.device)
     ratio = measured_bytes / predicted if predicted else 1.0
-    overhead = full.overhead_bytes if result.request.device == "cuda" else 0
+    overhead = full.overhead_bytes if result.request.options.device == "cuda" else 0
     corrected = int(full.peak_bytes * ratio) + overhead
     times = sorted(measured.get("step_times_s") or [])
     gpu = result.gpu
-    comparable = (device == "cuda" and result.request.device == "cuda" and gpu.measured is None) or (
+    comparable = (device == "cuda" and result.request.options.device == "cuda" and gpu.measured is None) or (
         gpu.measured is not None and gpu.measured.device == device)
     return Verification(ranks=ranks, device=device, measured_bytes=measured_bytes, predicted_bytes=predicted,
                         corrected_bytes=corrected, usable_bytes=result.usable_bytes,

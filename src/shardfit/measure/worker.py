@@ -30,6 +30,7 @@ from shardfit.measure.oom import worst_rank_diagnosis
 from shardfit.measure.report import gather
 from shardfit.measure.run import load_plan
 from shardfit.modeling import build_model
+from shardfit.spec.plan import is_deepspeed_kind
 
 
 def make_batch(plan, step: int, rank: int, vocab: int) -> dict:
@@ -73,7 +74,7 @@ def run_one(config: dict, ctx, previous: list) -> dict:
                     batch = make_batch(plan, index, ctx.rank, vocab)
                     loss = engine.forward_backward(batch, last=micro == plan.training.grad_accum - 1)
                 losses.append(float(loss))
-                if not engine.kind.startswith("zero"):
+                if not is_deepspeed_kind(engine.kind):
                     engine.step()
             if config.get("checkpoint"):
                 with tempfile.TemporaryDirectory() as directory, prof.phase("checkpoint"):
@@ -112,7 +113,7 @@ def _timed_steps(engine, plan, ctx, vocab: int, first: int, count: int) -> list[
         start = time.perf_counter()
         for micro, batch in enumerate(batches):
             loss = engine.forward_backward(batch, last=micro == accum - 1)
-        if not engine.kind.startswith("zero"):
+        if not is_deepspeed_kind(engine.kind):
             engine.step()
         float(loss)
         if ctx.device.type == "cuda":

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields, replace
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.engine_rules import engine_support_error
 from shardfit.spec.fields import build_section
 from shardfit.spec.gpus import get_gpu
 from shardfit.spec.kernels import DEFAULT_LOSS_CHUNKS, check_kernels
@@ -18,6 +19,7 @@ from shardfit.spec.parallelism import Parallelism, drop_default, validate_parall
 
 # single: one device, no wrapper (a plain loop, or HF Trainer / Accelerate on one GPU).
 STRATEGY_KINDS = ("single", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+DEEPSPEED_KINDS = ("zero1", "zero2", "zero3")
 FSDP_SHARDING = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 OFFLOAD_DEVICES = (None, "cpu", "nvme")
 PRECISIONS = ("fp32", "fp16", "bf16", "bf16-pure")
@@ -25,6 +27,12 @@ OPTIMIZERS = ("adamw", "adamw8bit", "sgd", "lion", "adafactor")
 ATTENTION = ("sdpa", "eager")
 LORA_BASE_DTYPES = ("bf16", "fp16", "fp32", "int8", "nf4")
 BACKWARD_PREFETCH = ("backward_pre", "backward_post", "none")
+NAN_POLICIES = ("stop", "skip")
+
+
+def is_deepspeed_kind(kind: str) -> bool:
+    """Whether a strategy kind (or an engine's kind) runs under DeepSpeed: ZeRO-1/2/3."""
+    return kind in DEEPSPEED_KINDS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +99,7 @@ class Strategy:
 
     @property
     def is_deepspeed(self) -> bool:
-        return self.kind.startswith("zero")
+        return is_deepspeed_kind(self.kind)
 
     def regathers_in_backward(self, n_params: int) -> bool:
         """Whether sharded parameters are all-gathered again in backward: FSDP1 FULL/HYBRID_SHARD and
@@ -185,7 +193,7 @@ class Schedule:
     eval_every: int = 0
     save_every: int = 0
     keep_checkpoints: int = 2
-    nan_policy: str = "stop"  # stop | skip
+    nan_policy: str = "stop"  # NAN_POLICIES
     save_mode: str = "sync"  # sync | async (DCP async_save in a writer process; not DeepSpeed)
     on_save_error: str = "stop"  # stop | continue: what a save that fails (disk full, I/O error) does to the run
 
@@ -349,36 +357,9 @@ def validate_plan(plan: Plan) -> list[str]:
     if t.micro_batch * t.seq_len > 2**40 or plan.model.n_params > 10**15 or c.world_size > 10**6:
         bad("sizes are beyond any real run (micro_batch×seq_len > 2^40, params > 1e15 or > 1e6 GPUs): check the units")
 
-    # Offload: where each engine supports it.
-    if "nvme" in (s.offload_optimizer, s.offload_params) and not s.nvme_path:
-        bad("NVMe offload needs a path: set strategy.nvme_path in the plan, or --nvme-path (a local NVMe mount, e.g. /local_nvme)")
-    if s.kind == "single" and c.world_size != 1:
-        bad(f"strategy single runs on one device, but the cluster has {c.world_size} GPUs ({c.nodes} node(s) x "
-            f"{c.gpus_per_node}): use --gpus 1 (--nproc 1 for train/profile), or a data-parallel strategy "
-            "(ddp, fsdp2, zero2, ...)")
-    if s.kind == "single" and (s.offload_optimizer or s.offload_params):
-        bad("single has no offload: use zero2+offload (optimizer) or zero3+offload / fsdp2+offload (parameters) on one GPU")
-    if s.kind == "ddp" and (s.offload_optimizer or s.offload_params):
-        bad("DDP has no offload: use zero2+offload (optimizer) or zero3+offload / fsdp2+offload (parameters)")
-    if s.kind in ("zero1", "zero2"):
-        if s.offload_params:
-            bad(f"{s.kind} keeps full parameters on every GPU: parameter offload needs zero3")
-        if s.offload_optimizer == "nvme":
-            bad(f"{s.kind} accepts NVMe optimizer offload but silently uses CPU: use zero3 for NVMe, or cpu")
-    if s.kind == "zero3" and s.offload_params and not s.offload_optimizer:
-        bad("zero3 parameter offload without optimizer offload is not supported by DeepSpeed: offload the optimizer too")
-    if s.kind in ("fsdp", "fsdp2"):
-        if s.offload_optimizer:
-            bad(f"{s.kind} offloads parameters, gradients and optimizer together: set offload_params: cpu instead of offload_optimizer")
-        if s.offload_params == "nvme":
-            bad(f"{s.kind} offloads to CPU only: use cpu, or zero3 for NVMe offload")
-    if s.is_deepspeed and t.precision == "bf16-pure":
-        bad("DeepSpeed always keeps fp32 master weights: use precision bf16, or an FSDP strategy for pure bf16")
-    if s.kind == "fsdp2" and t.optimizer == "adamw8bit":  # "got mixed torch.Tensor and DTensor" (bnb #1633)
-        bad("bitsandbytes' 8-bit AdamW does not take FSDP2's DTensor parameters: use fsdp (FSDP1), zero1/2/3 or ddp "
-            "with adamw8bit, or adamw with fsdp2")
-    if s.is_deepspeed and t.optimizer in ("adamw8bit", "adafactor") and s.offload_optimizer:
-        bad(f"DeepSpeed optimizer offload runs its own CPU Adam: {t.optimizer} can't be offloaded; use adamw")
+    # Offload, and the optimizer / precision combinations an engine rejects (spec/engine_rules.py).
+    if error := engine_support_error(plan):
+        bad(error)
 
     # Hybrid sharding needs whole shard groups.
     if s.kind in ("fsdp", "fsdp2") and (s.sharding == "hybrid_shard" or s.shard_group_size):
@@ -410,4 +391,9 @@ def validate_plan(plan: Plan) -> list[str]:
             bad("training.lora.target_modules is empty: name the projections to adapt, e.g. q_proj,v_proj")
     if plan.model.family == "params" and t.lora is not None:
         bad("LoRA needs the model's shapes: give a preset or config instead of --params")
+    if plan.schedule.nan_policy not in NAN_POLICIES:
+        bad(f"schedule.nan_policy '{plan.schedule.nan_policy}' is not known: use stop or skip")
+    if plan.schedule.nan_policy == "skip" and s.is_deepspeed:
+        bad("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop; "
+            "fp16 overflow steps are skipped by DeepSpeed's loss scaler anyway")
     return warnings

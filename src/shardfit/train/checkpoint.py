@@ -25,6 +25,7 @@ from shardfit.errors import ShardfitError
 from shardfit.spec.planfile import plan_to_data
 from shardfit.train import manifest as integrity
 from shardfit.train.manifest import MANIFEST, step_folders
+from shardfit.spec.plan import is_deepspeed_kind
 
 
 def rng_state() -> dict:
@@ -106,7 +107,7 @@ def _write(path: Path, data) -> None:
 
 def manifest_fields(engine, step: int, position: Position) -> dict:
     ctx = engine.ctx
-    return {"step": step, "engine": engine.kind, "format": "deepspeed" if engine.kind.startswith("zero") else "dcp",
+    return {"step": step, "engine": engine.kind, "format": "deepspeed" if is_deepspeed_kind(engine.kind) else "dcp",
             "world_size": ctx.world_size, "position": position.to_dict(),
             "lora": engine.plan.training.lora is not None, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -199,7 +200,7 @@ def load_checkpoint(engine, path: Path) -> tuple[int, Position]:
 def _load(engine, path: Path, manifest: dict) -> tuple[int, Position]:
     ctx = engine.ctx
     # DeepSpeed engines also read DCP (switching engines mid-run); the others read only DCP.
-    if manifest["format"] == "deepspeed" and not engine.kind.startswith("zero"):
+    if manifest["format"] == "deepspeed" and not is_deepspeed_kind(engine.kind):
         raise ShardfitError(f"checkpoint {path} was written by DeepSpeed ({manifest['engine']}); {engine.kind} reads "
                             "DCP: convert it with `shardfit convert` first")
     if manifest["format"] == "deepspeed" and manifest["world_size"] != ctx.world_size:

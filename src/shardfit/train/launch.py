@@ -12,6 +12,7 @@ from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import parse_strategy, plan_from_dict
 from shardfit.spec.planfile import read_plan_data
 from shardfit.spec.kernels import kernel_fields
+from shardfit.train.flags import TrainFlags
 
 # Without a plan file: the tiny preset on CPU, fp32, a few steps, so `shardfit train` finishes
 # in well under a minute on a fresh machine.
@@ -38,43 +39,43 @@ def read_plan_dict(path: str | None) -> dict:
     return read_plan_data(path)  # the one plan reader: one-line errors, duplicate keys refused
 
 
-def default_nproc(args) -> int:
+def default_nproc(flags: TrainFlags) -> int:
     """Ranks per node when --nproc is not given: 1 for a single-device plan, else 2."""
-    return 1 if plan_data(args)["strategy"].get("kind") == "single" else 2
+    return 1 if plan_data(flags)["strategy"].get("kind") == "single" else 2
 
 
-def build_plan(args):
+def build_plan(flags: TrainFlags):
     """Plan file (or quick defaults) < command-line flags < the launch's real cluster shape."""
-    data = plan_data(args)
+    data = plan_data(flags)
     # The cluster is what this launch really is (torchrun's environment), not what the file says.
-    nproc = args.nproc or (1 if data["strategy"].get("kind") == "single" else 2)
-    world = int(os.environ.get("WORLD_SIZE", nproc * args.nnodes))
+    nproc = flags.nproc or (1 if data["strategy"].get("kind") == "single" else 2)
+    world = int(os.environ.get("WORLD_SIZE", nproc * flags.nnodes))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
     data["cluster"].update({"nodes": max(1, world // max(1, local)), "gpus_per_node": local})
     return plan_from_dict(data, resolve_model=load_model_spec)
 
 
-def plan_data(args) -> dict:
+def plan_data(flags: TrainFlags) -> dict:
     """The plan as a mapping: file (or quick defaults, or the checkpoint's own plan on a resume) with
     the command-line flags applied; the cluster is left to build_plan."""
-    data = read_plan_dict(args.plan)
-    if args.resume and not args.plan:
+    data = read_plan_dict(flags.plan)
+    if flags.resume and not flags.plan:
         # Resuming without a plan file continues the checkpoint's own plan (flags still override it).
         from shardfit.train.checkpoint import resolve_resume
 
-        found = resolve_resume(args.resume, Path(args.out), verify=False)
+        found = resolve_resume(flags.resume, Path(flags.out), verify=False)
         if found is not None:  # `--resume auto` with no checkpoint yet: a fresh start
             data = read_plan_dict(str(found / "plan.yaml"))
     for section in ("strategy", "training", "schedule", "data", "cluster"):
         data[section] = dict(data.get(section) or {})
-    if args.model:
-        data["model"] = args.model
-    if args.strategy:
-        strategy = parse_strategy(args.strategy)
+    if flags.model:
+        data["model"] = flags.model
+    if flags.strategy:
+        strategy = parse_strategy(flags.strategy)
         data["strategy"].update({k: getattr(strategy, k) for k in ("kind", "sharding", "reshard_after_forward",
                                                                    "offload_optimizer", "offload_params", "nvme_path")})
-    if args.shard_group_size:
-        data["strategy"]["shard_group_size"] = args.shard_group_size
+    if flags.shard_group_size:
+        data["strategy"]["shard_group_size"] = flags.shard_group_size
     for flag, section, key in (("micro_batch", "training", "micro_batch"), ("seq", "training", "seq_len"),
                                ("grad_accum", "training", "grad_accum"), ("precision", "training", "precision"),
                                ("ac", "training", "activation_checkpointing"), ("steps", "schedule", "steps"),
@@ -84,13 +85,13 @@ def plan_data(args) -> dict:
                                ("nan_policy", "schedule", "nan_policy"), ("save_mode", "schedule", "save_mode"),
                                ("on_save_error", "schedule", "on_save_error"), ("data", "data", "path"),
                                ("tokenizer", "data", "tokenizer")):
-        value = getattr(args, flag, None)
+        value = getattr(flags, flag)
         if value is not None:
             data[section][key] = value
     # --loss / --optimizer-impl (commands/kernel_flags.py)
-    data["training"].update(kernel_fields(getattr(args, "loss", None), getattr(args, "optimizer_impl", None)))
+    data["training"].update(kernel_fields(flags.loss, flags.optimizer_impl))
     # The LoRA flags (commands/lora_flags.py): any of them turns LoRA on; rank 16 when not given.
-    lora = lora_section(data["training"].get("lora"), *(getattr(args, name, None)
+    lora = lora_section(data["training"].get("lora"), *(getattr(flags, name)
                                                          for name in ("lora_r", "lora_targets", "lora_base")), "fp32")
     if lora is not None:
         data["training"]["lora"] = with_default_targets(lora, data["model"])

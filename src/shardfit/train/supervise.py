@@ -19,6 +19,7 @@ from shardfit.measure.oom import collect_run_diagnosis, diagnose, format_diagnos
 from shardfit.measure.report import RankReport
 from shardfit.runtime_env import launch_env
 from shardfit.train import preempt, runlock
+from shardfit.train.flags import TrainFlags
 from shardfit.train.manifest import MANIFEST, step_folders
 
 SUPERVISED_ENV = "SHARDFIT_SUPERVISED"  # set for workers whose supervisor prints the OOM diagnosis once
@@ -26,9 +27,9 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "NCCL communicator was aborted")
 
 
-def check_run(plan, args, inside: bool) -> None:
+def check_run(plan, flags: TrainFlags, inside: bool) -> None:
     """What only `train` needs from a Plan and its flags: checked before torchrun starts, one line each."""
-    if args.model is not None and not args.model.strip():
+    if flags.model is not None and not flags.model.strip():
         raise ShardfitError("--model is empty: give a preset name (see `shardfit models`), a config path or pkg.module:fn")
     s = plan.schedule
     for name, value, low in (("steps", s.steps, 1), ("log_every", s.log_every, 0), ("eval_every", s.eval_every, 0),
@@ -40,8 +41,6 @@ def check_run(plan, args, inside: bool) -> None:
                         ("min_lr_ratio", s.min_lr_ratio)):
         if not math.isfinite(value) or value < 0:
             raise ShardfitError(f"schedule.{name} must be a finite number >= 0, got {value}")
-    if s.nan_policy not in ("stop", "skip"):
-        raise ShardfitError(f"schedule.nan_policy '{s.nan_policy}' is not known: use stop or skip")
     for name, value, known in (("save_mode", s.save_mode, ("sync", "async")),
                                ("on_save_error", s.on_save_error, ("stop", "continue"))):
         if value not in known:
@@ -49,48 +48,46 @@ def check_run(plan, args, inside: bool) -> None:
     if s.save_mode == "async" and plan.strategy.is_deepspeed:
         raise ShardfitError("schedule.save_mode async is not supported with DeepSpeed (its asynchronous checkpoint "
                             "engines need the async_io op: libaio and a GPU): use save_mode sync")
-    preempt.signal_names(getattr(args, "stop_signals", None))
-    if s.nan_policy == "skip" and plan.strategy.is_deepspeed:
-        raise ShardfitError("nan_policy skip is not supported with DeepSpeed (it steps inside backward): use stop")
+    preempt.signal_names(flags.stop_signals)
     for name, value in (("data.path", plan.data.path), ("data.tokenizer", plan.data.tokenizer)):
         if value and not Path(value).exists():
             raise ShardfitError(f"{name} '{value}' does not exist: give a local file or folder")
 
-    out = Path(args.out)
+    out = Path(flags.out)
     if not inside:
         runlock.check(out)  # the workers' rank 0 takes the lock; refuse here already, before torchrun starts
-    if not inside and not args.resume and (step_folders(out / "checkpoints") or (out / "metrics.jsonl").exists()):
+    if not inside and not flags.resume and (step_folders(out / "checkpoints") or (out / "metrics.jsonl").exists()):
         # NOTE: a second run into the same folder would overwrite its checkpoints and mix its metrics.
-        raise ShardfitError(f"--out {args.out} already holds a run: continue it with --resume latest, or choose "
+        raise ShardfitError(f"--out {flags.out} already holds a run: continue it with --resume latest, or choose "
                             "another --out (nothing was changed)")
-    if args.resume in ("latest", "latest-valid") and not inside and not step_folders(Path(args.out) / "checkpoints"):
-        raise ShardfitError(f"--resume {args.resume}: no checkpoint under {Path(args.out) / 'checkpoints'} "
+    if flags.resume in ("latest", "latest-valid") and not inside and not step_folders(Path(flags.out) / "checkpoints"):
+        raise ShardfitError(f"--resume {flags.resume}: no checkpoint under {Path(flags.out) / 'checkpoints'} "
                             "(use --resume auto to start fresh when there is none)")
-    if args.resume and args.resume not in ("latest", "latest-valid", "auto"):
-        folder = Path(args.resume)
+    if flags.resume and flags.resume not in ("latest", "latest-valid", "auto"):
+        folder = Path(flags.resume)
         if not (folder / MANIFEST).is_file() and not step_folders(folder / "checkpoints"):
-            raise ShardfitError(f"--resume {args.resume}: not a checkpoint folder (no {MANIFEST}) nor a run folder with "
+            raise ShardfitError(f"--resume {flags.resume}: not a checkpoint folder (no {MANIFEST}) nor a run folder with "
                                 "checkpoints (give 'latest', 'latest-valid', 'auto', a run or a checkpoint folder)")
-    for name, value in (("--memory-budget", args.memory_budget), ("--collective-timeout", args.collective_timeout)):
+    for name, value in (("--memory-budget", flags.memory_budget), ("--collective-timeout", flags.collective_timeout)):
         if value is not None and (not math.isfinite(value) or value <= 0):
             raise ShardfitError(f"{name} must be a positive number, got {value}")
-    if args.max_restarts is not None and args.max_restarts < 0:
-        raise ShardfitError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
+    if flags.max_restarts is not None and flags.max_restarts < 0:
+        raise ShardfitError(f"--max-restarts must be 0 or more, got {flags.max_restarts}")
+    if flags.nnodes > 1 and not flags.rdzv_endpoint:
         raise ShardfitError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
 
 
-def export_env(args) -> None:
+def export_env(flags: TrainFlags) -> None:
     """The workers read these (also when a user starts them with torchrun directly)."""
-    if args.memory_budget is not None:
-        os.environ["SHARDFIT_MEMORY_BUDGET"] = str(int(args.memory_budget))
-    if args.collective_timeout is not None:
-        os.environ["SHARDFIT_COLLECTIVE_TIMEOUT"] = str(args.collective_timeout)
-    if getattr(args, "stop_signals", None):
-        os.environ["SHARDFIT_STOP_SIGNALS"] = args.stop_signals
+    if flags.memory_budget is not None:
+        os.environ["SHARDFIT_MEMORY_BUDGET"] = str(int(flags.memory_budget))
+    if flags.collective_timeout is not None:
+        os.environ["SHARDFIT_COLLECTIVE_TIMEOUT"] = str(flags.collective_timeout)
+    if flags.stop_signals:
+        os.environ["SHARDFIT_STOP_SIGNALS"] = flags.stop_signals
 
 
-def relaunch(worker_argv: list[str], args, restarts: int) -> int:
+def relaunch(worker_argv: list[str], flags: TrainFlags, restarts: int) -> int:
     """torchrun with `restarts`; its own failure report (a traceback of the launcher and a table) is
     replaced by one line, the workers' own lines pass through untouched."""
     stops = preempt.signal_names(os.environ.get(preempt.ENV))
@@ -99,10 +96,10 @@ def relaunch(worker_argv: list[str], args, restarts: int) -> int:
     options = [f"--max-restarts={restarts}",
                "--signals-to-handle=" + ",".join(dict.fromkeys(("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *stops)))]
     target = ["-m", "shardfit", *worker_argv]
-    where = dict(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint, options=options)
+    where = dict(nnodes=flags.nnodes, node_rank=flags.node_rank, endpoint=flags.rdzv_endpoint, options=options)
     env = launch_env()
     if os.environ.get("SHARDFIT_DEBUG"):
-        return torchrun(target, args.nproc, timeout=None, env=env, **where).returncode
+        return torchrun(target, flags.nproc, timeout=None, env=env, **where).returncode
     env[SUPERVISED_ENV] = "1"
     started = time.time() - 1  # file times have a coarse grain on some file systems
     failures: list = []
@@ -119,13 +116,13 @@ def relaunch(worker_argv: list[str], args, restarts: int) -> int:
                 signal.signal(getattr(signal, name), handler)
 
     # A training run takes as long as it takes: no timeout (the watchdog stops a hang from inside).
-    code = torchrun(target, args.nproc, timeout=None, env=env, watch=watch, **where).returncode
-    marker = preempt.read_marker(Path(args.out)) if getattr(args, "out", None) else None
+    code = torchrun(target, flags.nproc, timeout=None, env=env, watch=watch, **where).returncode
+    marker = preempt.read_marker(Path(flags.out)) if flags.out else None
     if code != 0 and marker and marker.get("unix_time", 0) >= started:
         print(f"shardfit: training preempted ({marker.get('signal')}) after step {marker.get('step')}: checkpoint "
               f"{marker.get('checkpoint')}; continue with --resume auto", file=sys.stderr, flush=True)
         return preempt.PREEMPTED_EXIT
-    oom = _run_oom(args.out, started) if code != 0 else None
+    oom = _run_oom(flags.out, started) if code != 0 else None
     if oom is not None:
         diagnosis, text, path = oom
         print(text, file=sys.stderr)
