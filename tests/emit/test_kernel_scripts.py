@@ -30,7 +30,7 @@ def _losses(tmp_path, plan, fmt, nproc):
         result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
                                 env=launch_env(STEPS="3"), check=True)
     else:
-        result = torchrun([str(script)], nproc=nproc, timeout=240, env=launch_env(STEPS="3"))
+        result = torchrun([str(script)], nproc=nproc, timeout=240, env=launch_env(STEPS="3"), cwd=tmp_path)
     return text, [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", result.stdout)]
 
 
