@@ -65,3 +65,16 @@ def test_ruff_passes_on_every_emitted_script(tmp_path):
         paths.append(str(path))
     done = subprocess.run([*ruff, "check", "--isolated", "--no-cache", *paths], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-4000:]
+
+
+def test_cli_weights_option_reaches_the_fsdp2_script(tmp_path, capsys):
+    from shardfit.cli import main
+    from shardfit.spec.planfile import dump_plan
+
+    plan = Plan(model=TINY, strategy=parse_strategy("fsdp2"), cluster=Cluster(gpus_per_node=2))
+    path = dump_plan(plan, tmp_path / "plan.yaml")
+    assert main(["emit", str(path), "--format", "fsdp2", "--weights", "/models/tiny"]) == 0
+    text = capsys.readouterr().out
+    assert 'WEIGHTS = os.environ.get("WEIGHTS", \'/models/tiny\')' in text
+    assert main(["emit", str(path), "--format", "fsdp2"]) == 0
+    assert 'WEIGHTS = os.environ.get("WEIGHTS", \'\')' in capsys.readouterr().out
