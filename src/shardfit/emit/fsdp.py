@@ -1,9 +1,10 @@
 """A runnable FSDP1 / FSDP2 training script from a Plan: NCCL on GPUs, gloo on CPU.
 
-The script follows torchtitan's order: build the model, LoRA, activation checkpointing, shard each
-block then the root, and only then build the optimizer (an optimizer built before `fully_shard`
-holds the unsharded parameters). It trains on random tokens so it runs anywhere; swap `batches()`
-and `build_model()` for real data and weights.
+The script follows torchtitan's order: build the model on the meta device, LoRA, activation
+checkpointing, shard each block then the root, materialise the shards (the model's own init, or
+`--weights` read shard by shard: fsdp_state.py), and only then build the optimizer (an optimizer
+built before `fully_shard` holds the unsharded parameters). It checkpoints, resumes and exports
+(fsdp_state.py). Its data is a stand-in pool of random tokens so it runs anywhere; swap `batches()`.
 """
 from __future__ import annotations
 
