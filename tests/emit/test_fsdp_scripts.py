@@ -25,7 +25,7 @@ def _run(tmp_path, plan, fmt):
     name, text = next(iter(out.files.items()))
     script = tmp_path / name
     script.write_text(text)
-    result = torchrun([str(script)], nproc=2, timeout=240, env=launch_env(STEPS="3", CHECKSUM="1"))
+    result = torchrun([str(script)], nproc=2, timeout=240, env=launch_env(STEPS="3", CHECKSUM="1"), cwd=tmp_path)
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", result.stdout)]
     checksums = {int(r): float(v) for r, v in re.findall(r"rank (\d) checksum (-?[0-9.]+)", result.stdout)}
     return text, losses, checksums

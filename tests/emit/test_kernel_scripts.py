@@ -30,7 +30,9 @@ def _losses(tmp_path, plan, fmt, nproc):
         result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
                                 env=launch_env(STEPS="3"), check=True)
     else:
-        result = torchrun([str(script)], nproc=nproc, timeout=240, env=launch_env(STEPS="3"))
+        # Checkpoints off: the second run must not resume from the first's (the same folder).
+        result = torchrun([str(script)], nproc=nproc, timeout=240, env=launch_env(STEPS="3", SAVE_EVERY="0", EXPORT_DIR=""),
+                          cwd=tmp_path)
     return text, [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", result.stdout)]
 
 

@@ -136,7 +136,7 @@ def test_emitted_fsdp2_script_trains_under_selective_checkpointing(tmp_path):
     compile(text, "train_fsdp2.py", "exec")
     script = tmp_path / "train_fsdp2.py"
     script.write_text(text)
-    result = torchrun([str(script)], nproc=2, timeout=240, env=test_env(STEPS="3"))
+    result = torchrun([str(script)], nproc=2, timeout=240, env=test_env(STEPS="3"), cwd=tmp_path)
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", result.stdout)]
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
 

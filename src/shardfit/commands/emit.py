@@ -29,6 +29,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hosts", help="comma-separated host names for the DeepSpeed hostfile")
     parser.add_argument("--master-addr", default="$MASTER_ADDR", dest="master_addr")
     parser.add_argument("--master-port", type=int, default=29500, dest="master_port")
+    parser.add_argument("--weights", metavar="PATH",
+                        help="fsdp / fsdp2: start from the pretrained safetensors in this save_pretrained folder, read "
+                             "shard by shard on each rank (default: the model's own init on the meta-built model)")
     parser.add_argument("--time", default="24:00:00", help="SLURM time limit (default 24:00:00)")
 
 
@@ -38,7 +41,8 @@ def run(args) -> int:
     plan = load_plan(args.plan)
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
     options = EmitOptions(plan_path=args.plan, entry=args.entry, hosts=hosts, master_addr=args.master_addr,
-                          master_port=args.master_port, time_limit=args.time)
+                          master_port=args.master_port, time_limit=args.time,
+                          weights=args.weights)
     result = emit(plan, args.fmt, options)
     if args.output:
         target, single = output_target(args.output, result.files, args.fmt, args.force)

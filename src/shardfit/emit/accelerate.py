@@ -62,13 +62,16 @@ def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]
                 "fsdp_transformer_layer_cls_to_wrap": s.wrap_unit or block_class(plan.model),
                 "fsdp_offload_params": bool(s.offload_params),
                 "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                # rank 0 reads the weights, the others build on the meta device
                 "fsdp_cpu_ram_efficient_loading": True,
-                "fsdp_sync_module_states": True,
-                "fsdp_use_orig_params": True,
                 "fsdp_activation_checkpointing": every > 0}
         if every > 1:
             notes.append(f"accelerate checkpoints every block: the plan's {t.activation_checkpointing} becomes full")
         if s.kind == "fsdp":
+            # FSDP1 only: FSDP2 dropped both (it always keeps the original parameters, and its
+            # cpu_ram_efficient_loading broadcasts the state dict instead of syncing module states).
+            fsdp["fsdp_sync_module_states"] = True
+            fsdp["fsdp_use_orig_params"] = True
             fsdp["fsdp_sharding_strategy"] = _FSDP1_SHARDING[s.sharding]
             fsdp["fsdp_backward_prefetch"] = {"backward_pre": "BACKWARD_PRE", "backward_post": "BACKWARD_POST",
                                               "none": "NO_PREFETCH"}[s.backward_prefetch]

@@ -23,6 +23,7 @@ class EmitOptions:
     hosts: tuple[str, ...] = ()  # hostfile names; default node-0, node-1, ...
     time_limit: str = "24:00:00"  # SLURM
     out_dir: str = "out"
+    weights: str | None = None  # FSDP scripts: a save_pretrained folder of safetensors to start from
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,8 +113,11 @@ def selective_checkpoint_wrapper(module):
     # attention kernel and of every other matmul; recompute the rest in backward.
     from collections import defaultdict
 
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
 
     aten = torch.ops.aten
     keep = {aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
@@ -131,7 +135,7 @@ def selective_checkpoint_wrapper(module):
             return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
         return create_selective_checkpoint_contexts(policy)
 
-    return checkpoint_wrapper(module, context_fn=context_fn)
+    return cw.checkpoint_wrapper(module, context_fn=context_fn)
 '''
 
 
@@ -150,19 +154,18 @@ _MODEL_FUNCTIONS = '''def build_model():
 {sac_code}
 
 def apply_activation_checkpointing(model):
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        {ac_imports})
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
     blocks = [m for m in model.modules() if type(m).__name__ == BLOCK_CLASS]
     chosen = {{id(m) for m in blocks[::AC_EVERY]}}
-    apply_ac(model, checkpoint_wrapper_fn={ac_wrapper}, check_fn=lambda m: id(m) in chosen)
+    cw.apply_activation_checkpointing(model, checkpoint_wrapper_fn={ac_wrapper}, check_fn=lambda m: id(m) in chosen)
 '''
 
 
 def model_functions(plan: Plan) -> str:
     """The emitted scripts' model builder and checkpointing (dedented: insert after the template is)."""
     sac_code, wrapper = ac_wrapper(plan)
-    imports = "apply_activation_checkpointing as apply_ac" + (", checkpoint_wrapper" if wrapper == "checkpoint_wrapper" else "")
-    return _MODEL_FUNCTIONS.format(sac_code=sac_code, ac_wrapper=wrapper, ac_imports=imports)
+    wrapper = "cw.checkpoint_wrapper" if wrapper == "checkpoint_wrapper" else wrapper
+    return _MODEL_FUNCTIONS.format(sac_code=sac_code, ac_wrapper=wrapper)
 
 
 def ac_wrapper(plan: Plan) -> tuple[str, str]:

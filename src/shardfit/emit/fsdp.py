@@ -1,15 +1,17 @@
 """A runnable FSDP1 / FSDP2 training script from a Plan: NCCL on GPUs, gloo on CPU.
 
-The script follows torchtitan's order: build the model, LoRA, activation checkpointing, shard each
-block then the root, and only then build the optimizer (an optimizer built before `fully_shard`
-holds the unsharded parameters). It trains on random tokens so it runs anywhere; swap `batches()`
-and `build_model()` for real data and weights.
+The script follows torchtitan's order: build the model on the meta device, LoRA, activation
+checkpointing, shard each block then the root, materialise the shards (the model's own init, or
+`--weights` read shard by shard: fsdp_state.py), and only then build the optimizer (an optimizer
+built before `fully_shard` holds the unsharded parameters). It checkpoints, resumes and exports
+(fsdp_state.py). Its data is a stand-in pool of random tokens so it runs anywhere; swap `batches()`.
 """
 from __future__ import annotations
 
 import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
+from shardfit.emit.fsdp_state import STATE_CODE
 from shardfit.emit.kernels import script_fields
 from shardfit.emit.optimizer_code import optimizer_code
 from shardfit.errors import ShardfitError
@@ -24,6 +26,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     Run:  torchrun --nproc-per-node {gpus} {{this file}}     (multi-node: `shardfit emit --format torchrun`)
     On CPU it runs with gloo (e.g. torchrun --nproc-per-node 2); STEPS=3 overrides the step count.
     """
+    import contextlib
     import os
     import time
 
@@ -40,18 +43,33 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
     LORA = {lora}
     MODEL_CONFIG = {config}
+    TIED = MODEL_CONFIG.get("tie_word_embeddings", False)
+    # Pretrained weights: a save_pretrained folder of *.safetensors; empty = the model's own init.
+    WEIGHTS = os.environ.get("WEIGHTS", {weights})
+    # Sharded checkpoints every SAVE_EVERY steps (0 = none) in CKPT_DIR, resumed from the newest complete one;
+    # the trained model goes to EXPORT_DIR as safetensors (empty = no export).
+    CKPT_DIR = os.environ.get("CKPT_DIR", {ckpt_dir})
+    SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "{save_every}"))
+    EXPORT_DIR = os.environ.get("EXPORT_DIR", {export_dir})
+    # Gradient sync on the last micro-batch only: one reduce-scatter per optimizer step instead of one per
+    # micro-batch, at the cost of holding unsharded gradients until then ({no_sync_cost} per rank).
+    NO_SYNC = GRAD_ACCUM > 1
 
 
     {model_functions}{loss_code}
 
 
-    def batches(vocab, device, rank):
+    def batches(vocab, device, rank, skip):
+        # Stand-in data: a fixed pool of random sequences per rank over the first eighth of the vocabulary, so
+        # the loss visibly falls (from ln(vocab) towards ln(vocab / 8)) while it is learnt.
         # A generator of its own per rank: different data per rank, while the global RNG (model init,
-        # dropout) stays identical on every rank.
+        # dropout) stays identical on every rank. A resumed run skips the micro-batches already trained on.
         gen = torch.Generator().manual_seed(SEED + rank)
+        pool = torch.randint(0, max(vocab // 8, 2), (8 * MICRO_BATCH, SEQ_LEN), generator=gen)
+        for _ in range(skip):
+            torch.randint(0, len(pool), (MICRO_BATCH,), generator=gen)
         while True:
-            ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ_LEN), generator=gen)
-            yield ids.to(device)
+            yield pool[torch.randint(0, len(pool), (MICRO_BATCH,), generator=gen)].to(device)
 '''
 
 _FSDP2 = '''
@@ -61,7 +79,7 @@ _FSDP2 = '''
 
     def shard(model, device, world):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import {fsdp2_imports}
         if SHARD_GROUP and SHARD_GROUP < world:
             mesh = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP), mesh_dim_names=("replicate", "shard"))
         else:
@@ -69,9 +87,7 @@ _FSDP2 = '''
         kwargs = {{"mesh": mesh, "reshard_after_forward": {reshard}}}
         if COMPUTE_DTYPE is not None and not PURE_BF16:
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPE, reduce_dtype=torch.float32)
-        if {offload}:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        # The embedding and head as units of their own (torchtitan): the embedding resharded after its forward,
+{offload_line}        # The embedding and head as units of their own (torchtitan): the embedding resharded after its forward,
         # the head kept gathered until its backward. A tied head shares the embedding's weight: it stays in the root.
         embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
         separate = EMBEDDING_UNITS and head is not None and embedding.weight is not head.weight
@@ -82,20 +98,38 @@ _FSDP2 = '''
         if separate:
             fully_shard(head, **{{**kwargs, "reshard_after_forward": False}})
         fully_shard(model, **kwargs)
+        # Materialise: each rank allocates only its shards on its device, then fills them.
+        model.to_empty(device={materialise_device})
+        init_weights(model, list(model.modules()))
         return model
 
 
     def clip(model):
+        # On the sharded gradients (DTensors): the norm is reduced across ranks, no gradient is gathered.
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
+
+
+    def sync_gradients(model, last):
+        model.set_requires_gradient_sync(last or not NO_SYNC)
+        return contextlib.nullcontext()
 '''
 
 _FSDP1 = '''
 
     def shard(model, device, world):
-        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import (
+            BackwardPrefetch,
+            CPUOffload,
+            MixedPrecision,
+            ShardingStrategy,
+        )
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         block_types = {{type(m) for m in model.modules() if type(m).__name__ == BLOCK_CLASS}}
+
+        def materialise(module):
+            module.to_empty(device=device, recurse=False)
+            init_weights(model, [module])
         kwargs = {{}}
         if SHARD_GROUP and SHARD_GROUP < world:
             from torch.distributed.device_mesh import init_device_mesh
@@ -108,12 +142,19 @@ _FSDP1 = '''
                     backward_prefetch={prefetch},
                     cpu_offload=CPUOffload(offload_params={offload}),
                     device_id=device,  # FSDP1 needs device_id=cpu on CPU, the GPU index on GPUs
-                    sync_module_states=device.type == "cuda",  # every rank seeds the same init; GPU-only check on CPU
+                    # The model is on the meta device: each unit is materialised on the device just before it
+                    # is sharded, and initialised there by the model's own init (the same seed on every rank).
+                    param_init_fn=materialise,
                     use_orig_params=True, limit_all_gathers=True, **kwargs)
 
 
     def clip(model):
         model.clip_grad_norm_(GRAD_CLIP)
+
+
+    def sync_gradients(model, last):
+        # no_sync() keeps full unsharded gradients of every unit until the last micro-batch.
+        return contextlib.nullcontext() if last or not NO_SYNC else model.no_sync()
 '''
 
 _MAIN = '''
@@ -127,46 +168,49 @@ _MAIN = '''
         if cuda:
             torch.cuda.set_device(device)
         torch.manual_seed(SEED)  # the same initial weights on every rank
-        # Built in host RAM; sharding moves one unit at a time to the device, so the GPU never holds the
-        # whole model. For models too big for host RAM per rank, build on the meta device (torchtitan).
-        model = build_model()
+        # Built on the meta device (shapes, no memory) and materialised shard by shard while sharding: no
+        # rank ever holds the whole model, in host RAM or on its device (torchtitan's order).
+        with torch.device("meta"):
+            model = build_model()
         {head_setup}
         if AC_EVERY:
             apply_activation_checkpointing(model)
         if PURE_BF16:
             model = model.to(torch.bfloat16)
         model = shard(model, device, world)
+        if WEIGHTS:
+            load_weights(model, WEIGHTS)
         # The optimizer comes after sharding so it holds the sharded parameters.
         {optimizer_note}
         {optimizer}
-        scaler = None
-        if COMPUTE_DTYPE == torch.float16:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-            scaler = ShardedGradScaler(device.type)  # fp16 needs loss scaling
-        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank)
+        {scaler_setup}
+        resume, first = newest_checkpoint() if SAVE_EVERY else (None, 0)
+        if resume:
+            load_checkpoint(model, optimizer, resume)
+            if rank == 0:
+                print(f"resumed from {{resume}} at step {{first}}", flush=True)
+        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank, first * GRAD_ACCUM)
         start = time.perf_counter()
-        for step in range(STEPS):
+        for step in range(first, STEPS):
             total = 0.0
-            for _ in range(GRAD_ACCUM):
+            for micro in range(GRAD_ACCUM):
                 ids = next(data)
-                {loss_line}
-                (scaler.scale(loss) if scaler else loss).backward()
+                with sync_gradients(model, last=micro == GRAD_ACCUM - 1):
+                    {loss_line}
+                    {backward}
                 total += loss.item()
-            if scaler:
-                scaler.unscale_(optimizer)
-            clip(model)
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+            {step_code}
             optimizer.zero_grad(set_to_none=True)
             if rank == 0 and (step % LOG_EVERY == 0 or step == STEPS - 1):
                 print(f"step {{step}} loss {{total:.4f}} {{time.perf_counter() - start:.1f}}s", flush=True)
+            if SAVE_EVERY and ((step + 1) % SAVE_EVERY == 0 or step == STEPS - 1):
+                save_checkpoint(model, optimizer, step + 1, rank)
         if os.environ.get("CHECKSUM"):  # replicas must agree: compare this line across ranks
             local = sum(float((p.to_local() if hasattr(p, "to_local") else p).detach().float().sum())
                         for p in model.parameters())
             print(f"rank {{rank}} checksum {{local:.6f}}", flush=True)
+        if EXPORT_DIR:
+            export(model, rank)
         if cuda:
             peak = torch.cuda.max_memory_allocated(device) / 2**30
             print(f"rank {{rank}} peak allocated {{peak:.2f}} GiB", flush=True)
@@ -178,8 +222,16 @@ _MAIN = '''
         main()
 '''
 
+# Inserted into the dedented _MAIN: continuation lines carry the indentation of their place there.
+_FP16_SCALER = ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n"
+                "    scaler = ShardedGradScaler(device.type)  # fp16 needs loss scaling")
+_FP16_STEP = ("scaler.unscale_(optimizer)\n        clip(model)\n        scaler.step(optimizer)\n"
+              "        scaler.update()")
+_STEP = "clip(model)\n        optimizer.step()"
 
-def fsdp_script(plan: Plan, version: int) -> str:
+
+def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) -> str:
+    options = options or EmitOptions()
     s, t, c, sched = plan.strategy, plan.training, plan.cluster, plan.schedule
     config, lora = script_inputs(plan, "FSDP script", "--format accelerate or torchrun")
     group = s.shard_group(c.gpus_per_node)
@@ -192,10 +244,18 @@ def fsdp_script(plan: Plan, version: int) -> str:
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
                   ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
                   pure=t.precision == "bf16-pure", lora=repr(lora),
-                  config=repr(config))
+                  config=repr(config), weights=repr(options.weights or ""), ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
+                  save_every=sched.save_every or sched.steps, export_dir=repr(f"{options.out_dir}/export"),
+                  no_sync_cost=f"{plan.model.n_params * _GRAD_BYTES[t.precision] / 2**30:.2f} GiB")
     if version == 2:
+        offload = bool(s.offload_params)
         body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
-                             offload=bool(s.offload_params), separate=separate_embedding_units(s, plan.model))
+                             separate=separate_embedding_units(s, plan.model),
+                             fsdp2_imports="(\n            CPUOffloadPolicy,\n            MixedPrecisionPolicy,\n"
+                             "            fully_shard,\n        )" if offload
+                             else "MixedPrecisionPolicy, fully_shard",
+                             offload_line='        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")\n'
+                             if offload else "", materialise_device='"cpu"' if offload else "device")
     else:
         mode = s.sharding
         if group and group < c.world_size:
@@ -210,8 +270,18 @@ def fsdp_script(plan: Plan, version: int) -> str:
     # Templates are indented in this file (so no line here reads as a top-level import) and dedented here.
     kernels = script_fields(plan)
     header = textwrap.dedent(_HEADER).format(**fields, loss_code=kernels.pop("loss_code"))
-    return header + textwrap.dedent(body) + textwrap.dedent(_MAIN).format(
-        **kernels, optimizer=optimizer_code(plan, "[p for p in model.parameters() if p.requires_grad]"))
+    fp16 = t.precision == "fp16"
+    main = textwrap.dedent(_MAIN).format(
+        **kernels, optimizer=optimizer_code(plan, "[p for p in model.parameters() if p.requires_grad]"),
+        scaler_setup=_FP16_SCALER if fp16 else "# bf16 / fp32: no loss scaling",
+        backward="scaler.scale(loss).backward()" if fp16 else "loss.backward()",
+        step_code=_FP16_STEP if fp16 else _STEP)
+    return header + textwrap.dedent(body) + STATE_CODE + main
+
+
+# Bytes per parameter of the gradients no-sync accumulation holds unsharded (the reduce dtype is fp32
+# under mixed precision; pure bf16 keeps bf16 gradients).
+_GRAD_BYTES = {"bf16": 4, "fp16": 4, "fp32": 4, "bf16-pure": 2}
 
 
 def _check_kind(plan: Plan, version: int) -> list[str]:
@@ -235,4 +305,4 @@ def emit_fsdp(plan: Plan, options: EmitOptions, version: int = 1) -> Emitted:
         plan = replace(plan, strategy=replace(plan.strategy, kind="fsdp" if version == 1 else "fsdp2",
                                               sharding="full_shard", offload_optimizer=None, offload_params=offload))
     name = "train_fsdp.py" if version == 1 else "train_fsdp2.py"
-    return Emitted(files={name: fsdp_script(plan, version)}, notes=tuple(notes))
+    return Emitted(files={name: fsdp_script(plan, version, options)}, notes=tuple(notes))
