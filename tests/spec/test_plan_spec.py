@@ -165,3 +165,16 @@ def test_single_needs_a_world_of_one():
     with pytest.raises(ShardfitError, match="single has no offload"):
         plan_from_dict({"model": dataclasses.asdict(SPEC), "strategy": {"kind": "single", "offload_params": "cpu"},
                         "cluster": {"gpus_per_node": 1}})
+
+
+def test_the_deepspeed_buffer_keys_are_the_ones_the_builder_writes():
+    # doctor and `plan --deepspeed` read a user's JSON with BUFFER_KEYS: each key must be what
+    # zero_optimization() writes for the same Strategy field.
+    from shardfit.spec.deepspeed_config import BUFFER_KEYS, zero_optimization
+
+    for kind, fields in (("zero2", ("reduce_bucket_size", "allgather_bucket_size")),
+                         ("zero3", ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters"))):
+        s = parse_strategy(kind)
+        zero = zero_optimization(s)
+        assert {key: zero[key] for field, key in BUFFER_KEYS if field in fields} == \
+            {key: getattr(s, field) for field, key in BUFFER_KEYS if field in fields}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from shardfit.doctor.setup import Setup
 from shardfit.estimate.estimator import estimate
 from shardfit.fit.host import assumed_host_gib
+from shardfit.spec.deepspeed_config import BUFFER_KEYS, DS_KEY
 from shardfit.spec.gpus import GPU
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import Cluster, Plan, Strategy, Training
@@ -67,10 +68,7 @@ def _strategy(setup: Setup, **changes) -> Strategy | None:
         if off_par and not off_opt:
             off_opt = "cpu"
         bucket = dict(setup.buckets)
-        knobs = {k: int(bucket[n]) for k, n in (("reduce_bucket_size", "reduce_bucket_size"),
-                                                  ("allgather_bucket_size", "allgather_bucket_size"),
-                                                  ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
-                                                  ("max_live_parameters", "stage3_max_live_parameters")) if n in bucket}
+        knobs = {field: int(bucket[key]) for field, key in BUFFER_KEYS if key in bucket}
         return Strategy(kind=f"zero{stage}", offload_optimizer=off_opt, offload_params=off_par, **knobs)
     if engine in ("fsdp", "fsdp2"):
         sharding = values["sharding"] or "full_shard"
@@ -199,7 +197,8 @@ def bucket_too_large(setup: Setup, ctx: Context) -> list[Finding]:
         return []
     buckets = dict(setup.buckets)
     stage = setup.zero_stage or 0
-    names = ("reduce_bucket_size", "stage3_prefetch_bucket_size") if stage == 3 else ("reduce_bucket_size", "allgather_bucket_size")
+    # the two buffers live at once: ZeRO-3's reduce bucket and prefetch, ZeRO-1/2's reduce and all-gather buckets
+    names = (DS_KEY["reduce_bucket_size"], DS_KEY["prefetch_bucket_size" if stage == 3 else "allgather_bucket_size"])
     width = 4 if setup.precision == "fp32" else 2
     total = sum(buckets.get(name, 0) for name in names) * width
     out = []

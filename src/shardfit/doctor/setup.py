@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.deepspeed_config import BUFFER_KEYS
 from shardfit.spec.planfile import DuplicateKey, json_load_unique, yaml_load_unique
 from shardfit.spec.plan import is_deepspeed_kind
 
@@ -109,7 +110,7 @@ def from_deepspeed(d: dict) -> dict:
     else:
         facts["precision"] = "fp32"
     buckets = []
-    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+    for _, key in BUFFER_KEYS:
         value = _number(zero.get(key))
         if value is not None:
             buckets.append((key, float(value)))
@@ -234,10 +235,7 @@ def from_plan(d: dict) -> dict:
     facts.update(nodes=nodes, world_size=nodes * gpus if nodes and gpus else None, gpu=c.get("gpu"))
     if is_deepspeed_kind(kind):
         facts["zero_stage"] = int(kind[-1])
-        facts["buckets"] = tuple((key, float(s[name])) for name, key in (
-            ("reduce_bucket_size", "reduce_bucket_size"), ("allgather_bucket_size", "allgather_bucket_size"),
-            ("prefetch_bucket_size", "stage3_prefetch_bucket_size"), ("max_live_parameters", "stage3_max_live_parameters"))
-            if name in s)
+        facts["buckets"] = tuple((key, float(s[field])) for field, key in BUFFER_KEYS if field in s)
     if kind in ("fsdp", "fsdp2"):
         facts["auto_wrap"] = True  # shardfit always wraps each block
         facts["sharding"] = str(s.get("sharding", "full_shard")) if kind == "fsdp" else (

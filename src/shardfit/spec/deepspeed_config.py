@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from shardfit.spec.plan import Strategy
 
+# The communication buffers DeepSpeed sizes in elements: the Strategy field, and the zero_optimization
+# key zero_optimization() writes it as (doctor and `plan --deepspeed` read a user's JSON back with it).
+BUFFER_KEYS = (("reduce_bucket_size", "reduce_bucket_size"), ("allgather_bucket_size", "allgather_bucket_size"),
+               ("prefetch_bucket_size", "stage3_prefetch_bucket_size"),
+               ("max_live_parameters", "stage3_max_live_parameters"))
+DS_KEY = dict(BUFFER_KEYS)
+
 
 def _offload(device: str, nvme_path: str | None, pin_memory: bool) -> dict:
     section = {"device": device, "pin_memory": pin_memory}
