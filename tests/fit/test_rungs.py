@@ -124,7 +124,8 @@ def test_the_emitted_script_of_a_rung_plan_trains(tmp_path, capsys, budget, rung
     name, text = next(iter(emit(plan, fmt).files.items()))
     script = tmp_path / name
     script.write_text(text)
-    result = torchrun([str(script)], nproc=2, timeout=240, env=test_env(STEPS="3", CHECKSUM="1"))
+    # In tmp_path: the script checkpoints under out/ where it runs, and would resume another run's steps.
+    result = torchrun([str(script)], nproc=2, timeout=240, env=test_env(STEPS="3", CHECKSUM="1"), cwd=tmp_path)
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", result.stdout)]
     assert losses and all(0 < loss < 20 for loss in losses)
     assert len(re.findall(r"rank \d checksum", result.stdout)) == 2

@@ -49,7 +49,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     # Sharded checkpoints every SAVE_EVERY steps (0 = none) in CKPT_DIR, resumed from the newest complete one;
     # the trained model goes to EXPORT_DIR as safetensors (empty = no export).
     CKPT_DIR = os.environ.get("CKPT_DIR", {ckpt_dir})
-    SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "{save_every}"))
+    SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "{save_every}")){save_note}
     EXPORT_DIR = os.environ.get("EXPORT_DIR", {export_dir})
     # Gradient sync on the last micro-batch only: one reduce-scatter per optimizer step instead of one per
     # micro-batch, at the cost of holding unsharded gradients until then ({no_sync_cost} per rank).
@@ -237,6 +237,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
     group = s.shard_group(c.gpus_per_node)
     if version == 1 and group == 1 and c.world_size > 1:
         raise ShardfitError("FSDP1 hybrid shard with a shard group of 1 never syncs replicas: use --format fsdp2")
+    eight_bit = t.optimizer == "adamw8bit"
     fields = dict(kind="FSDP1" if version == 1 else "FSDP2", fmt="fsdp" if version == 1 else "fsdp2",
                   model=plan.model.name, label=s.label, nodes=c.nodes, gpus=c.gpus_per_node, world=c.world_size,
                   micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
@@ -245,7 +246,8 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
                   ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
                   pure=t.precision == "bf16-pure", lora=repr(lora),
                   config=repr(config), weights=repr(options.weights or ""), ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
-                  save_every=sched.save_every or sched.steps, export_dir=repr(f"{options.out_dir}/export"),
+                  save_every=0 if eight_bit else sched.save_every or sched.steps,
+                  save_note=_NO_8BIT_SAVE if eight_bit else "", export_dir=repr(f"{options.out_dir}/export"),
                   no_sync_cost=f"{plan.model.n_params * _GRAD_BYTES[t.precision] / 2**30:.2f} GiB")
     if version == 2:
         offload = bool(s.offload_params)
@@ -277,6 +279,12 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
         backward="scaler.scale(loss).backward()" if fp16 else "loss.backward()",
         step_code=_FP16_STEP if fp16 else _STEP)
     return header + textwrap.dedent(body) + STATE_CODE + main
+
+
+# DCP's get_state_dict cannot flatten bitsandbytes' 8-bit optimizer state ("Boolean value of Tensor with
+# more than one value is ambiguous", torch 2.13, bitsandbytes 0.50): such a script saves no checkpoints
+# unless asked, and says so where the setting is.
+_NO_8BIT_SAVE = "  # 0: DCP's get_state_dict cannot flatten bitsandbytes' 8-bit AdamW state"
 
 
 # Bytes per parameter of the gradients no-sync accumulation holds unsharded (the reduce dtype is fp32
