@@ -73,6 +73,27 @@ def test_signal_mid_step_then_torchrun_restart_resumes_exactly(tmp_path, strateg
     assert got == expected
 
 
+def _without_resource_sharer(log: str) -> str:
+    """The log without tracebacks raised in multiprocessing/resource_sharer.py's serving thread: from its
+    "Traceback" line through its exception line, only that rank's frame lines (other output interleaves)."""
+    lines, kept, rank = log.splitlines(), [], None
+    for i, line in enumerate(lines):
+        prefix, _, body = line.partition("]: ")
+        if rank is None:
+            if "Traceback (most recent call last)" in line and i + 1 < len(lines) \
+                    and "multiprocessing/resource_sharer.py" in lines[i + 1]:
+                rank = prefix
+                continue
+            kept.append(line)
+        elif prefix == rank and body.startswith(" "):
+            continue  # a frame of that traceback
+        elif prefix == rank and body.split(":", 1)[0].endswith(("Error", "Exception")):
+            rank = None  # its exception line ends it
+        else:
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def test_async_saves_sigkill_during_the_write_resumes_from_the_previous_checkpoint(tmp_path):
     expected = _reference(tmp_path, "ddp")
     out = tmp_path / "async"
@@ -84,7 +105,10 @@ def test_async_saves_sigkill_during_the_write_resumes_from_the_previous_checkpoi
     log = result.stdout + result.stderr
     assert "[fault] rank 1: kill at async 4 (attempt 0)" in log
     assert re.findall(r"resumed from \S+/(step-\d+) at step (\d+)", log) == [("step-2", "2")], log[-3000:]
-    assert "Traceback" not in log, log[-3000:]
+    # The one traceback allowed is Python's own: multiprocessing's resource_sharer thread in rank 0, handing
+    # a tensor's file descriptor to the writer process, prints its peer's dropped connection when rank 1
+    # is killed at that instant (run to run; a thread of the dying process, not shardfit's code path).
+    assert "Traceback" not in _without_resource_sharer(log), log[-3000:]
     assert launch.run_losses(out) == expected  # async saves hold the same state as blocking ones
     from shardfit.train import manifest
     root = out / "checkpoints"
