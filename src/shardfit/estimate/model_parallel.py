@@ -149,16 +149,14 @@ def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, 
     return {**gather, "activations": forward["activations"]}
 
 
-def _stage(plan, layout: Layout, estimate_fn, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
+def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
     model, t = plan.model, plan.training
     first, last = stage == 0, stage == layout.pp - 1
-    rank_model = local_model(model, layout, layers, first, last)
-    est = estimate_fn(local_plan(plan, layout, rank_model), explain=True, **options)
+    rank_model, est = rank_estimate(layers, first, last, None)
     one = _act_terms(est)
     scale = 1.0
     if layout.sequence_parallel:
-        unsliced = estimate_fn(local_plan(plan, layout, local_model(model, layout, layers, first, last, tp=1)),
-                               explain=True, **options)
+        _, unsliced = rank_estimate(layers, first, last, 1)
         scale = _act_terms(unsliced) / layout.tp / max(one, 1)
     in_flight = in_flight_microbatches(layout, stage)
     paper = options["accounting"] == "ideal"
@@ -177,9 +175,16 @@ def _stage(plan, layout: Layout, estimate_fn, stage: int, layers: int, options: 
     # Partial -> Replicate) is held by the functional collective's wrapper, which the tracker sees as
     # a temporary although block 0 saves it.
     embedding_out = b * s * model.hidden_size * res if first and layout.tp > 1 and not paper else 0
+    # FSDP2 under a pipeline: torch.distributed.pipelining skips resharding after backward and the
+    # gradient reduce-scatter on every micro-batch but the last (stage.py, backward_maybe_with_nosync),
+    # so the stage's unsharded gradients (param dtype) live from the first backward to the step.
+    held = rank_model.n_params * d if (layout.pp > 1 and plan.strategy.kind == "fsdp2"
+                                       and layout.dp_shard * layout.cp > 1 and layout.microbatches > 1) else 0
     phases = {}
     for name, cats in est.phases.items():
         cats = dict(cats)
+        if name in ("forward", "backward") and held:
+            cats["grads"] += held
         if name in ("forward", "backward"):
             if paper:
                 cats["activations"] = int(per_micro * in_flight)
@@ -206,6 +211,9 @@ def _stage(plan, layout: Layout, estimate_fn, stage: int, layers: int, options: 
                       source="Korthikanti et al. 2022 sec. 4; Narayanan et al. 2021 (1F1B)"),
                  Term(name="parallel.p2p_buffers", bytes=p2p, formula="2*b*(s/cp)*h*d (/t under SP)", inputs={},
                       source="torch.distributed.pipelining send/recv buffers"),
+                 Term(name="parallel.pp_unsharded_grads", bytes=held, formula="stage params * d (fsdp2, pp > 1)",
+                      inputs={"microbatches": layout.microbatches},
+                      source="torch.distributed.pipelining stage.py: no reshard / grad sync before the last micro-batch"),
                  Term(name="parallel.cp_ring", bytes=ring, formula="4*b*(s/cp)*kv_dim*d + b*(s/cp)*(q_dim + heads)*4",
                       inputs={"cp": layout.cp}, source="ring attention (Liu et al. 2023), torch context_parallel"))
     return replace(est, phases=phases, strategy=plan.strategy.label, terms=est.terms + extra,
@@ -224,12 +232,23 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
     layers = stage_layers(model.num_layers, layout.pp, layout.virtual)
     explain = options.pop("explain", False)
     seen: dict = {}
+    local: dict = {}
+
+    def rank_estimate(count: int, first: bool, last: bool, tp: int | None):
+        # NOTE: stages that differ only in the micro-batches they hold in flight train the same
+        # rank-local plan: it is built and estimated once (fit estimates hundreds of layouts).
+        key = (count, first, last, tp)
+        if key not in local:
+            rank_model = local_model(model, layout, count, first, last, tp=tp)
+            local[key] = rank_model, estimate_fn(local_plan(plan, layout, rank_model), explain=True, **options)
+        return local[key]
+
     out = []
     for stage, count in enumerate(layers):
         in_flight = in_flight_microbatches(layout, stage)
         key = (count, stage == 0, stage == layout.pp - 1, in_flight)
         if key not in seen:
-            seen[key] = _stage(plan, layout, estimate_fn, stage, count, options, explain)
+            seen[key] = _stage(plan, layout, rank_estimate, stage, count, options, explain)
         out.append((stage, count, seen[key]))
     return out
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardfit.spec.parallelism import Parallelism
 from shardfit.spec.plan import Strategy
 
 # DeepSpeed buffer variants. "default" is DeepSpeed's own (5e8 elements: ~1 GB per bucket in
@@ -30,6 +31,7 @@ class Family:
     order: int
     tier: int  # 0 = no offload, 1 = CPU offload, 2 = NVMe offload: searched only if the tier before found nothing
     multi_node_only: bool = False
+    parallelism: Parallelism | None = None  # a tp x pp x cp layout (fit/layouts.py); None: data parallel only
 
 
 # Memory and time don't depend on where the NVMe is mounted; a plan that is written out must

@@ -16,7 +16,8 @@ from shardfit.fit.explain import Rejection, explain_rejections
 from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, bucket_changes, engine_of, families
 from shardfit.fit.host import assumption_note, needs_text, over_assumed
 from shardfit.fit.kernels import chunked_rung, kernel_notes, loss_options, optimizer_impl_for, with_loss
-from shardfit.fit.steptime import StepTime, step_time
+from shardfit.fit.layouts import layout_notes, micro_options_for, parallel_families
+from shardfit.fit.steptime import EFFICIENCY_FULL_TOKENS, StepTime, step_time
 from shardfit.fit.suggest import suggest
 from shardfit.fit.pins import pin_ac, pin_error, pin_micro_batch, pin_strategy, pinned
 from shardfit.fit.request import FitRequest
@@ -150,6 +151,8 @@ def _make_plan(base: Plan, family: Family, ac: str, buckets: str, micro: int, pe
         if changes:
             strategy = replace(strategy, **changes)
     # The base Plan already holds the request's model, cluster, sequence, LoRA, optimizer and loss chunks.
+    if family.parallelism is not None:  # per_rank counts sequences per dp rank: world / (tp x cp x pp) of them
+        base = base.with_changes(parallelism=family.parallelism)
     return base.with_changes(
         strategy=strategy,
         training={"micro_batch": micro, "grad_accum": per_rank // micro, "seq_len": seq, "precision": precision,
@@ -192,7 +195,8 @@ def _search_family(search: _Search, fam: Family, make_for, ac_options, micro_opt
     """Each AC setting and buffer variant's largest fitting micro-batch (and the chunked loss's, where it
     is what makes the setting fit), ranked; and, when none fits, the leanest plan tried."""
     cands: list[Candidate] = []
-    losses = loss_options(search.request, search.request.base.model)
+    # Under tp the loss is vocab-parallel (V / tp logits per rank): the chunked loss is not searched there.
+    losses = loss_options(search.request, search.request.base.model) if fam.parallelism is None else ("standard",)
     lean: tuple[int, Plan] | None = None
     variants = BUCKET_VARIANTS if fam.strategy.is_deepspeed else ("default",)
     for ac in ac_options:
@@ -228,7 +232,7 @@ def _climb_rungs(search: _Search, request: FitRequest, precision: str, loss_scal
             return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.base.training.seq_len, precision,
                                             loss_scaling, request, rung.training)
         hits = {}
-        for fam in (f for f in all_families if f.tier == 0):
+        for fam in (f for f in all_families if f.tier == 0 and f.parallelism is None):
             try:
                 validate_plan(make_for(fam, "none", "default")(micro_options[0]))
             except ShardfitError:
@@ -276,19 +280,36 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     ac_options = pin_ac(request, ac_options, selective_available(model))
     micro_options = pin_micro_batch(request, micro_options, per_rank)
     all_families = pin_strategy(request, all_families)
+    if "fsdp" in options.engines and base.training.lora is None and request.pins.strategy is None:
+        # tp x pp x cp layouts (fit/layouts.py), after the data-parallel families without offload.
+        split = next((i for i, f in enumerate(all_families) if f.tier > 0), len(all_families))
+        all_families[split:split] = parallel_families(model, cluster, base.training.seq_len)
+
+    def rank_batch(fam: Family) -> int:
+        """Sequences per data-parallel rank: world / (tp x cp x pp) ranks share the global batch."""
+        return per_rank * (fam.parallelism.model_parallel if fam.parallelism else 1)
+
+    def micro_for(fam: Family) -> list[int]:
+        if fam.parallelism is None:
+            return micro_options
+        pinned_micro = pin_micro_batch(request, divisors(rank_batch(fam)), rank_batch(fam))
+        return micro_options_for(fam.parallelism, pinned_micro, base.training.seq_len, EFFICIENCY_FULL_TOKENS)
 
     def make_for(fam: Family, ac: str, buckets: str):
-        return lambda micro: _make_plan(base, fam, ac, buckets, micro, per_rank, request.base.training.seq_len, precision,
-                                        loss_scaling, request)
+        return lambda micro: _make_plan(base, fam, ac, buckets, micro, rank_batch(fam), request.base.training.seq_len,
+                                        precision, loss_scaling, request)
 
-    # Families the request rules out (e.g. DeepSpeed offload with 8-bit Adam, pure bf16 on DeepSpeed).
+    # Families the request rules out (e.g. DeepSpeed offload with 8-bit Adam, pure bf16 on DeepSpeed). A
+    # model-parallel layout the plan's own validation refuses is dropped without a line.
     invalid: dict[str, str] = {}
     for fam in all_families:
         try:
-            validate_plan(make_for(fam, "none", "default")(micro_options[0]))
+            validate_plan(make_for(fam, "none", "default")(micro_for(fam)[0]))
         except ShardfitError as exc:
             invalid[fam.label] = str(exc)
+    layouts_refused = {f.label for f in all_families if f.parallelism is not None and f.label in invalid}
     all_families = [f for f in all_families if f.label not in invalid]
+    invalid = {label: why for label, why in invalid.items() if label not in layouts_refused}
 
     found: dict[str, list[Candidate]] = {}
     smallest: dict[str, tuple[int, Plan]] = {}
@@ -305,7 +326,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
                 break
         searched_tiers.add(tier)
         for fam in (f for f in all_families if f.tier == tier):
-            found[fam.label], lean = _search_family(search, fam, make_for, ac_options, micro_options)
+            found[fam.label], lean = _search_family(search, fam, make_for, ac_options, micro_for(fam))
             if lean is not None:
                 smallest[fam.label] = lean
     ranked = _sorted([c[0] for c in found.values() if c])
@@ -333,6 +354,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         if over_assumed(best.host_bytes, request, search.gpu):
             notes.append(f"WARNING: the best plan needs {needs_text(best.host_bytes, best.nvme_bytes, request, search.gpu)}")
     notes += kernel_notes(search, best, request)
+    notes += layout_notes(best, found, smallest, all_families, search.usable, cluster, search.gpu)
     alternatives = tuple(ranked[1:1 + options.top])
     rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
     rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]

@@ -18,6 +18,7 @@ from shardfit.errors import ShardfitError
 
 from shardfit.estimate.states import lora_adapter_params, model_linears
 from shardfit.estimate.traffic import micro_batch_traffic_bytes
+from shardfit.fit import parallel_time
 from shardfit.fit.engine_overhead import host_seconds, sac_dispatch_seconds
 from shardfit.fit.measured import measured_matmul_flops
 from shardfit.spec.gpus import GPU, get_gpu
@@ -74,10 +75,12 @@ class StepTime:
     model_flops: float  # per rank, without recompute (what MFU counts)
     comm_bytes: float
     efficiency: float
+    bubble_s: float = 0.0  # the pipeline schedule's idle time (fit/parallel_time.py)
+    parts: tuple[tuple[str, float], ...] = ()  # exposed seconds of the tp / cp / p2p collectives and the bubble
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s + self.offload_s + self.optimizer_s + self.host_s
+        return self.compute_s + self.exposed_comm_s + self.offload_s + self.optimizer_s + self.host_s + self.bubble_s
 
     def tokens_per_s(self, world_size: int) -> float:
         return self.tokens * world_size / self.total_s if self.total_s > 0 else 0.0
@@ -360,6 +363,8 @@ def _link(link: str, gpu: GPU, gpus_per_node: int) -> tuple[float, float]:
 def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
     """Predicted seconds per optimizer step for one rank of `plan`."""
     gpu = gpu or get_gpu(plan.cluster.gpu)
+    if not plan.parallelism.is_default:  # tp / cp / pp: the rank-local plan plus their collectives
+        return parallel_time.parallel_step_time(plan, gpu)
     t = plan.training
     flops, model_flops = step_flops(plan)
     rate, eff = matmul_rate(plan, gpu)
