@@ -13,7 +13,7 @@ from shardfit.commands.parallel_flags import add_parallel_arguments, parallelism
 from shardfit.errors import ShardfitError
 from shardfit.estimate import parallel_report, report
 from shardfit.estimate.estimator import ACCOUNTING, CHECKPOINT_MODES, DEVICES, estimate, OPTIMIZER_IMPLS
-from shardfit.fit.steptime import step_time
+from shardfit.fit.parallel_time import step_time
 from shardfit.spec.device_profile import load_profile
 from shardfit.spec.gpus import get_gpu, split_gpus
 from shardfit.spec.model_spec import params_only_spec

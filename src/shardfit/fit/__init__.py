@@ -2,6 +2,7 @@
 from shardfit.fit.explain import Rejection
 from shardfit.fit.request import FitRequest, Pins, SearchOptions
 from shardfit.fit.search import Candidate, FitResult, fit
-from shardfit.fit.steptime import StepTime, step_time
+from shardfit.fit.parallel_time import step_time
+from shardfit.fit.steptime import StepTime
 
 __all__ = ["Candidate", "FitRequest", "FitResult", "Pins", "Rejection", "SearchOptions", "StepTime", "fit", "step_time"]

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 from shardfit.estimate.model_parallel import local_model, local_plan
 from shardfit.fit import steptime
+from shardfit.spec.gpus import get_gpu
 from shardfit.spec.parallelism import resolve, stage_layers
 from shardfit.spec.plan import Cluster, is_selective_ac, parse_activation_checkpointing
 
@@ -158,3 +159,12 @@ def parallel_step_time(plan, gpu):
         per_micro = max(per_micro, micro_s)
     bubble = bubble_fraction(layout) * per_micro * layout.microbatches
     return replace(worst, bubble_s=bubble, parts=worst.parts + ((("bubble", bubble),) if bubble else ()))
+
+
+def step_time(plan, gpu=None):
+    """Predicted seconds per optimizer step for one rank of any plan: data parallel (fit/steptime.py) or
+    a tp x cp x pp layout (the rank-local plan plus its collectives and bubble)."""
+    gpu = gpu or get_gpu(plan.cluster.gpu)
+    if plan.parallelism.is_default:
+        return steptime.step_time(plan, gpu)
+    return parallel_step_time(plan, gpu)

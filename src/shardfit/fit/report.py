@@ -1,7 +1,10 @@
 """Text and JSON renderings of a FitResult: the one place `fit` output is formatted."""
 from __future__ import annotations
 
+import dataclasses
+
 from shardfit.fit.host import needs_text, over_assumed
+from shardfit.spec.parallelism import resolve
 from shardfit.units import fmt_bytes
 from shardfit.spec.kernels import loss_label
 
@@ -14,7 +17,8 @@ def _step(c, world: int, gpu) -> str:
     t = c.time
     return (f"{_s(t.total_s)}/step (compute {_s(t.compute_s)}, communication {_s(t.exposed_comm_s)} exposed of "
             f"{_s(t.comm_s)}, offload {_s(t.offload_s)}, optimizer {_s(t.optimizer_s)}"
-            + (f", engine hooks {_s(t.host_s)}" if t.host_s else "") + "); "
+            + (f", engine hooks {_s(t.host_s)}" if t.host_s else "")
+            + (f", pipeline bubble {_s(t.bubble_s)}" if t.bubble_s else "") + "); "
             f"{t.tokens_per_s(world):,.0f} tokens/s, MFU {t.mfu(gpu):.0%}")
 
 
@@ -37,6 +41,8 @@ def format_text(result) -> str:
         lines.append(f"best: {b.family}: micro-batch {t.micro_batch} x accumulation {t.grad_accum}, activation "
                      f"checkpointing {t.activation_checkpointing}, {t.precision}, loss {loss_label(t.loss, t.loss_chunks)}, "
                      f"optimizer step {t.optimizer_impl}")
+        if not b.plan.parallelism.is_default:
+            lines.append(f"  layout {resolve(b.plan).describe()} (world {cluster.world_size})")
         lines.append(f"  memory {fmt_bytes(b.peak_bytes)} per GPU of {fmt_bytes(result.usable_bytes)} usable; "
                      f"{needs_text(b.host_bytes, b.nvme_bytes, r, result.gpu)}")
         if result.largest_term:
@@ -75,7 +81,8 @@ def _candidate(c, world, gpu) -> dict:
             "host_bytes_per_node": c.host_bytes, "nvme_bytes_per_node": c.nvme_bytes,
             "step_s": round(t.total_s, 6), "compute_s": round(t.compute_s, 6), "comm_s": round(t.comm_s, 6),
             "exposed_comm_s": round(t.exposed_comm_s, 6), "offload_s": round(t.offload_s, 6),
-            "optimizer_s": round(t.optimizer_s, 6), "host_s": round(t.host_s, 6), "tokens_per_s": round(t.tokens_per_s(world), 1),
+            "optimizer_s": round(t.optimizer_s, 6), "host_s": round(t.host_s, 6), "bubble_s": round(t.bubble_s, 6),
+            "parallelism": dataclasses.asdict(c.plan.parallelism), "tokens_per_s": round(t.tokens_per_s(world), 1),
             "mfu": round(t.mfu(gpu), 4)}
 
 

@@ -17,7 +17,8 @@ from shardfit.fit.families import AC_OPTIONS, BUCKET_VARIANTS, TIE, Family, buck
 from shardfit.fit.host import assumption_note, needs_text, over_assumed
 from shardfit.fit.kernels import chunked_rung, kernel_notes, loss_options, optimizer_impl_for, with_loss
 from shardfit.fit.layouts import layout_notes, micro_options_for, parallel_families
-from shardfit.fit.steptime import EFFICIENCY_FULL_TOKENS, StepTime, step_time
+from shardfit.fit.parallel_time import step_time
+from shardfit.fit.steptime import EFFICIENCY_FULL_TOKENS, StepTime
 from shardfit.fit.suggest import suggest
 from shardfit.fit.pins import pin_ac, pin_error, pin_micro_batch, pin_strategy, pinned
 from shardfit.fit.request import FitRequest

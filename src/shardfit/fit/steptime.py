@@ -18,7 +18,6 @@ from shardfit.errors import ShardfitError
 
 from shardfit.estimate.states import lora_adapter_params, model_linears
 from shardfit.estimate.traffic import micro_batch_traffic_bytes
-from shardfit.fit import parallel_time
 from shardfit.fit.engine_overhead import host_seconds, sac_dispatch_seconds
 from shardfit.fit.measured import measured_matmul_flops
 from shardfit.spec.gpus import GPU, get_gpu
@@ -361,10 +360,9 @@ def _link(link: str, gpu: GPU, gpus_per_node: int) -> tuple[float, float]:
 
 
 def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
-    """Predicted seconds per optimizer step for one rank of `plan`."""
+    """Predicted seconds per optimizer step for one rank of a data-parallel `plan` (tp / cp / pp plans:
+    fit/parallel_time.py's step_time, which builds on this one)."""
     gpu = gpu or get_gpu(plan.cluster.gpu)
-    if not plan.parallelism.is_default:  # tp / cp / pp: the rank-local plan plus their collectives
-        return parallel_time.parallel_step_time(plan, gpu)
     t = plan.training
     flops, model_flops = step_flops(plan)
     rate, eff = matmul_rate(plan, gpu)

@@ -228,7 +228,9 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        return self.training.micro_batch * self.training.grad_accum * self.cluster.world_size
+        # One batch per data-parallel rank: the tp x cp x pp ranks of a replica share theirs.
+        return (self.training.micro_batch * self.training.grad_accum * self.cluster.world_size
+                // self.parallelism.model_parallel)
 
     def with_changes(self, **sections) -> "Plan":
         """Replace fields inside sections: plan.with_changes(training={"micro_batch": 2})."""
