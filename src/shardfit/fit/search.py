@@ -327,6 +327,13 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
                 break
         searched_tiers.add(tier)
         for fam in (f for f in all_families if f.tier == tier):
+            if fam.parallelism is not None:
+                # A layout whose leanest plan (micro-batch 1, the last AC setting: full) does not fit is
+                # out in one estimate: memory only grows with micro-batch and less recompute.
+                leanest = make_for(fam, ac_options[-1], "default")(micro_for(fam)[0])
+                if not search.fits(leanest):
+                    found[fam.label], smallest[fam.label] = [], (search.peak(leanest), leanest)
+                    continue
             found[fam.label], lean = _search_family(search, fam, make_for, ac_options, micro_for(fam))
             if lean is not None:
                 smallest[fam.label] = lean
