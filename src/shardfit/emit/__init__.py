@@ -15,6 +15,7 @@ from shardfit.emit.placeholders import mark_placeholders
 from shardfit.emit.single import emit_single
 from shardfit.emit.trainers import emit_hf_trainer, emit_lightning
 from shardfit.errors import ShardfitError
+from shardfit.spec.parallelism import resolve
 from shardfit.spec.plan import Plan, is_selective_ac
 
 FORMATS = {
@@ -37,10 +38,31 @@ def emit(plan: Plan, fmt: str, options: EmitOptions | None = None) -> Emitted:
            "sbatch": "slurm", "ds-launcher": "deepspeed-launcher"}.get(key, key)
     if key not in FORMATS:
         raise ShardfitError(f"unknown format '{fmt}': use one of {', '.join(FORMATS)}")
-    emitted = FORMATS[key](plan, options or EmitOptions())
+    options = options or EmitOptions()
+    if not plan.parallelism.is_default:
+        _check_layout_format(plan, key, options)
+    emitted = FORMATS[key](plan, options)
+    if not plan.parallelism.is_default:
+        emitted = replace(emitted, notes=emitted.notes + (f"layout {resolve(plan).describe()}",))
     if key in _NO_SELECTIVE_SETTING and is_selective_ac(plan.training.activation_checkpointing):
         emitted = replace(emitted, notes=emitted.notes + (_SELECTIVE_NOTE.format(fmt=key),))
     return mark_placeholders(emitted, plan)
+
+
+# Formats that carry a tp x cp x pp layout (issue 14): accelerate's ParallelismConfig (tp, cp; no pp)
+# and the launch lines around your own script; every other format writes a data-parallel setup.
+_LAYOUT_FORMATS = ("accelerate", "torchrun", "slurm")
+
+
+def _check_layout_format(plan: Plan, key: str, options: EmitOptions) -> None:
+    layout = resolve(plan).describe()
+    if key not in _LAYOUT_FORMATS:
+        raise ShardfitError(f"--format {key} writes a data-parallel setup, but this plan is {layout}: use --format "
+                            "accelerate (its ParallelismConfig: tp, cp) and --format torchrun / slurm with --entry "
+                            "your script")
+    if key in ("torchrun", "slurm") and options.entry is None:
+        raise ShardfitError(f"`shardfit train` runs data-parallel plans only and this plan is {layout}: give --entry "
+                            "your training script (e.g. `accelerate launch` reading `shardfit emit --format accelerate`)")
 
 
 # Formats whose tool has no per-op selective checkpointing setting: they checkpoint whole blocks.

@@ -9,6 +9,8 @@ import yaml
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class
 from shardfit.emit.kernels import optimizer_line, trainer_kernel_notes
+from shardfit.errors import ShardfitError
+from shardfit.spec.parallelism import resolve
 from shardfit.spec.plan import Plan
 
 _MIXED = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16", "fp32": "no"}
@@ -19,6 +21,9 @@ _FSDP1_SHARDING = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP",
 def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]]:
     s, t, c = plan.strategy, plan.training, plan.cluster
     notes: list[str] = []
+    if not plan.parallelism.is_default and s.kind != "fsdp2":
+        raise ShardfitError(f"accelerate composes tp / cp with FSDP2 only (its ParallelismConfig), not {s.label}: "
+                            "use strategy fsdp2")
     config: dict = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -78,7 +83,10 @@ def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]
         else:
             fsdp["fsdp_reshard_after_forward"] = s.reshard_after_forward
             group = s.shard_group(c.gpus_per_node)
-            if group and group < c.world_size:
+            if not plan.parallelism.is_default:
+                config["parallelism_config"], more = _parallelism_config(plan)
+                notes += more
+            elif group and group < c.world_size:
                 # FSDP2 hybrid sharding (HSDP) is a 2-D mesh: replicate across groups, shard inside.
                 config["parallelism_config"] = {"parallelism_config_dp_replicate_size": c.world_size // group,
                                                 "parallelism_config_dp_shard_size": group}
@@ -92,6 +100,22 @@ def accelerate_config(plan: Plan, options: EmitOptions) -> tuple[dict, list[str]
         if c.nodes == 1:
             config["gpu_ids"] = "all"
     return config, notes
+
+
+def _parallelism_config(plan: Plan) -> tuple[dict, list[str]]:
+    """accelerate's ParallelismConfig (`accelerate launch --parallelism_config_*`): dp_replicate x dp_shard x
+    tp x cp ranks, the 2-D..4-D DeviceMesh accelerate builds for FSDP2. It has no pipeline dimension, and
+    its `sp` is DeepSpeed's Ulysses, not TP's sequence parallel."""
+    layout = resolve(plan)
+    if layout.pp > 1:
+        raise ShardfitError(f"accelerate's ParallelismConfig has no pipeline dimension and this plan has pp={layout.pp}: "
+                            "run it with torchtitan or Megatron-LM (`--pp {layout.pp}`), or fit without pipeline stages")
+    notes = []
+    if layout.tp > 1:
+        notes.append(f"accelerate shards tp={layout.tp} with the model's own transformers tp_plan (gathered logits, "
+                     "no sequence parallel): memory as `shardfit plan ... --tp N --no-loss-parallel` without --sp")
+    return ({"parallelism_config_dp_replicate_size": layout.dp_replicate, "parallelism_config_dp_shard_size": layout.dp_shard,
+             "parallelism_config_tp_size": layout.tp, "parallelism_config_cp_size": layout.cp}, notes)
 
 
 def emit_accelerate(plan: Plan, options: EmitOptions) -> Emitted:

@@ -367,7 +367,9 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     rejected = explain_rejections(best, found, smallest, all_families, searched_tiers, search)
     rejected += [Rejection(family=label, reason=f"not possible: {why}") for label, why in invalid.items()]
     suggestions = () if best else tuple(suggest(search, base, request, precision, loss_scaling))
-    largest = largest_term(estimate(best.plan, device=options.device, explain=True)) if best and estimate_fn is None else None
+    # (tp / cp / pp: the rank-local terms are before the SP and pipeline scaling, so no term is named.)
+    largest = (largest_term(estimate(best.plan, device=options.device, explain=True))
+               if best and estimate_fn is None and best.plan.parallelism.is_default else None)
     result = FitResult(request=request, gpu=search.gpu, usable_bytes=search.usable, best=best,
                        alternatives=alternatives, rejected=tuple(rejected), notes=tuple(notes),
                        suggestions=suggestions, estimates=search.calls, smallest=smallest,

@@ -1,0 +1,84 @@
+"""emit for the tp x cp x pp plans fit returns: accelerate's ParallelismConfig (built from what emit
+writes, by accelerate itself), torchrun / SLURM around your own script, one clear line elsewhere."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from shardfit.emit import EmitOptions, emit
+from shardfit.errors import ShardfitError
+from shardfit.fit import FitRequest, fit
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.parallelism import Parallelism, resolve
+from shardfit.spec.plan import Plan, Strategy
+
+
+def _tp_plan(tp=2, cp=1, pp=1, nodes=8):
+    return Plan(model=load_model_spec("llama-3.1-70b")).with_changes(
+        strategy=Strategy(kind="fsdp2"), cluster={"nodes": nodes, "gpus_per_node": 8},
+        training={"micro_batch": 1, "grad_accum": 8, "seq_len": 65536, "activation_checkpointing": "full"},
+        parallelism=Parallelism(tp=tp, sequence_parallel=tp > 1, cp=cp, pp=pp))
+
+
+def _accelerate_objects(plan, tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+    from accelerate.parallelism_config import ParallelismConfig
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(emit(plan, "accelerate").main)
+    config = ClusterConfig.from_yaml_file(str(path))
+    known = {a.dest for a in launch_command_parser()._actions}
+    assert set(config.parallelism_config) <= known  # real `accelerate launch` arguments
+    sizes = {key.removeprefix("parallelism_config_"): value for key, value in config.parallelism_config.items()}
+    return config, ParallelismConfig(**sizes)
+
+
+@pytest.mark.parametrize("tp,cp", [(2, 1), (8, 1), (4, 4), (1, 8)])
+def test_accelerate_parallelism_config_constructs_from_what_emit_writes(tmp_path, tp, cp):
+    plan = _tp_plan(tp=tp, cp=cp)
+    config, par = _accelerate_objects(plan, tmp_path)
+    layout = resolve(plan)
+    assert par.total_size == config.num_processes == plan.cluster.world_size
+    assert (par.tp_size, par.cp_size, par.dp_shard_size, par.dp_replicate_size) == (tp, cp, layout.dp_shard,
+                                                                                      layout.dp_replicate)
+    assert config.fsdp_config["fsdp_version"] == 2
+
+
+def test_fits_own_2d_pick_goes_through_accelerate(tmp_path):
+    result = fit(FitRequest.build(load_model_spec("llama-3.1-70b"), gpu="H100-80GB", gpus_per_node=8, nodes=8,
+                                  seq_len=8192, global_batch=256))
+    plan = result.best.plan
+    if plan.parallelism.pp > 1:
+        with pytest.raises(ShardfitError, match="no pipeline dimension"):
+            emit(plan, "accelerate")
+        return
+    assert plan.parallelism.model_parallel > 1
+    _, par = _accelerate_objects(plan, tmp_path)
+    assert par.tp_size * par.cp_size * par.dp_shard_size * par.dp_replicate_size == 64
+
+
+def test_pipeline_and_data_parallel_formats_refuse_in_one_line():
+    with pytest.raises(ShardfitError, match="no pipeline dimension"):
+        emit(_tp_plan(tp=8, pp=2), "accelerate")
+    for fmt in ("fsdp2", "deepspeed", "hf-trainer", "lightning"):
+        with pytest.raises(ShardfitError, match="data-parallel setup"):
+            emit(_tp_plan(), fmt)
+
+
+def test_launch_lines_need_your_script_and_carry_the_world(tmp_path):
+    with pytest.raises(ShardfitError, match="--entry"):
+        emit(_tp_plan(), "torchrun")
+    options = EmitOptions(entry="train.py")
+    run = emit(_tp_plan(), "torchrun", options)
+    assert "--nnodes 8 --nproc-per-node 8" in run.main and run.main.rstrip().endswith("train.py")
+    assert any(n.startswith("layout dp_replicate=1 dp_shard=32 tp=2") for n in run.notes)
+    slurm = emit(_tp_plan(), "slurm", options).main
+    assert "--nodes=8" in slurm.replace(" ", "") or "#SBATCH --nodes=8" in slurm
+    assert "train.py" in slurm
+
+
+def test_data_parallel_plans_emit_as_before():
+    plan = _tp_plan(tp=1).with_changes(parallelism=Parallelism())
+    config = yaml.safe_load(emit(plan, "accelerate").main)
+    assert "parallelism_config" not in config
