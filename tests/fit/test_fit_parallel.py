@@ -10,7 +10,7 @@ from shardfit.fit.parallel_time import bubble_fraction, step_time
 from shardfit.fit.report import format_text, to_json
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.parallelism import resolve
-from shardfit.spec.plan import validate_plan
+from shardfit.spec.plan import LoRA, validate_plan
 
 
 def _fit(model, gpus, nodes, seq, batch, **knobs):
@@ -122,5 +122,19 @@ def test_step_time_terms_grow_with_what_they_count():
 
 
 def test_lora_and_pinned_strategy_search_data_parallel_only():
-    result = _fit("llama-3.1-70b", 64, 8, 8192, 256, strategy="zero3")
-    assert result.best is None or result.best.plan.parallelism.is_default
+    pinned = _fit("llama-3.1-70b", 64, 8, 8192, 256, strategy="zero3")
+    assert pinned.best.plan.parallelism.is_default
+    lora = _fit("llama-3.1-70b", 64, 8, 8192, 256, lora=LoRA(rank=16))
+    assert lora.best.plan.parallelism.is_default
+    assert not any(r.family.startswith("fsdp2 ") for r in pinned.rejected + lora.rejected)
+
+
+def test_text_report_folds_the_layouts_that_do_not_fit_into_one_line():
+    result = _fit("llama-3.1-405b", 1024, 128, 8192, 2048)
+    text = format_text(result)
+    folded = [line for line in text.splitlines() if "layouts that do not fit" in line]
+    lean = [r for r in result.rejected if r.family.startswith("fsdp2 ") and r.reason.startswith("does not fit")]
+    assert len(folded) == 1 and lean
+    for r in lean:
+        assert f"{r.family[len('fsdp2 '):]} (" in folded[0]
+        assert f"  {r.family}: " not in text

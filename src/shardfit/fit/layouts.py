@@ -30,6 +30,7 @@ MAX_CP = 16
 # Under a pipeline, a larger micro-batch buys no matmul efficiency once a micro-batch holds this many
 # tokens (fit/steptime.py EFFICIENCY_FULL_TOKENS) and only lengthens the bubble: not searched beyond.
 ORDER = 15  # after every data-parallel family (0-9): at equal step time the simpler plan wins
+LAYOUT_PREFIX = "fsdp2 "  # a layout family's label: "fsdp2 tp=8 pp=8"
 
 
 def _powers(limit: int) -> list[int]:
@@ -72,7 +73,7 @@ def layouts(model, cluster, seq_len: int) -> list[Parallelism]:
 def layout_label(par: Parallelism) -> str:
     parts = [f"tp={par.tp}" if par.tp > 1 else "", f"pp={par.pp}" if par.pp > 1 else "",
              f"cp={par.cp}" if par.cp > 1 else ""]
-    return "fsdp2 " + " ".join(p for p in parts if p)
+    return LAYOUT_PREFIX + " ".join(p for p in parts if p)
 
 
 def parallel_families(model, cluster, seq_len: int) -> list[Family]:

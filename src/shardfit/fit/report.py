@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardfit.fit.host import needs_text, over_assumed
+from shardfit.fit.layouts import LAYOUT_PREFIX
 from shardfit.spec.parallelism import resolve
 from shardfit.units import fmt_bytes
 from shardfit.spec.kernels import loss_label
@@ -65,9 +66,23 @@ def format_text(result) -> str:
                 lines.append("  (!) needs more host RAM than the assumed per node: give --host-memory-gib")
     if result.rejected:
         lines += ["", "why not the others:"]
-        lines += [f"  {x.family}: {x.reason}" for x in result.rejected]
+        lines += _rejection_lines(result.rejected)
     lines.append(f"\n({result.estimates} plans estimated)")
     return "\n".join(lines)
+
+
+def _rejection_lines(rejected) -> list[str]:
+    """One line per family; the tp x pp x cp layouts that do not fit share one line (there can be
+    dozens: fit/layouts.py), each with its leanest plan's memory. JSON keeps every reason."""
+    lines, lean = [], []
+    for x in rejected:
+        if x.family.startswith(LAYOUT_PREFIX) and x.reason.startswith("does not fit: "):
+            lean.append(f"{x.family[len(LAYOUT_PREFIX):]} ({x.reason.split(' at ')[0][len('does not fit: '):]})")
+        else:
+            lines.append(f"  {x.family}: {x.reason}")
+    if lean:
+        lines.append(f"  {LAYOUT_PREFIX}layouts that do not fit at micro-batch 1 with full checkpointing: " + ", ".join(lean))
+    return lines
 
 
 def _candidate(c, world, gpu) -> dict:
