@@ -20,6 +20,7 @@ from shardfit.measure.oom import Diagnosis, format_diagnosis
 from shardfit.measure.run import run_plan_worker
 from shardfit.spec.planfile import plan_to_data
 from shardfit.units import fmt_bytes
+from shardfit.spec.parallelism import resolve
 
 CPU_RANKS = 2
 RAM_SHARE = 0.5  # the verification run may use at most half of this machine's RAM
@@ -95,6 +96,10 @@ def verify(result, steps: int = PROFILED_STEPS, timeout: float = 900, timed_step
     if result.best is None:
         raise ShardfitError("--verify needs a plan that fits: nothing fits here")
     plan = result.best.plan
+    if not plan.parallelism.is_default:
+        # The local run shrinks the world to the devices here, which a tp x cp x pp layout cannot follow.
+        raise ShardfitError(f"--verify runs data-parallel plans at the local size; the best plan is "
+                            f"{resolve(plan).describe()}: verify it on the target GPUs, or fit --engine ddp,deepspeed")
     device, available = _local_devices()
     ranks = max(1, min(plan.cluster.world_size, available))
     local = plan.with_changes(cluster={"nodes": 1, "gpus_per_node": ranks})
