@@ -56,10 +56,13 @@ _LAYOUT_FORMATS = ("accelerate", "torchrun", "slurm")
 
 def _check_layout_format(plan: Plan, key: str, options: EmitOptions) -> None:
     layout = resolve(plan).describe()
+    par = plan.parallelism
+    if key == "fsdp2" and par.pp == 1 and par.cp == 1 and par.ep == 1:
+        return  # the FSDP2 x TP script (emit/fsdp.py)
     if key not in _LAYOUT_FORMATS:
         raise ShardfitError(f"--format {key} writes a data-parallel setup, but this plan is {layout}: use --format "
-                            "accelerate (its ParallelismConfig: tp, cp) and --format torchrun / slurm with --entry "
-                            "your script")
+                            "fsdp2 (FSDP2 x TP, without pp / cp), accelerate (its ParallelismConfig: tp, cp) and "
+                            "--format torchrun / slurm with --entry your script")
     if key in ("torchrun", "slurm") and options.entry is None:
         raise ShardfitError(f"`shardfit train` runs data-parallel plans only and this plan is {layout}: give --entry "
                             "your training script (e.g. `accelerate launch` reading `shardfit emit --format accelerate`)")

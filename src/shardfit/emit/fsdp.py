@@ -39,6 +39,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     BLOCK_CLASS = "{block}"  # the repeated layer: the FSDP unit and the activation-checkpointing unit
     AC_EVERY = {ac_every}  # checkpoint every N-th block; 0 = off
     SHARD_GROUP = {group}  # ranks per shard group (hybrid sharding across nodes); None = all ranks
+    TP = {tp}  # tensor-parallel ranks (inside a node): FSDP2 shards over the other world // TP; 1 = off
     COMPUTE_DTYPE = {dtype}  # None = fp32
     PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
     LORA = {lora}
@@ -80,7 +81,12 @@ _FSDP2 = '''
     def shard(model, device, world):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import {fsdp2_imports}
-        if SHARD_GROUP and SHARD_GROUP < world:
+        if TP > 1:
+            # A 2-D (dp, tp) mesh, tp innermost (torchtitan's order: a TP group's ranks are neighbours in a node).
+            mesh_2d = init_device_mesh(device.type, (world // TP, TP), mesh_dim_names=("dp", "tp"))
+            tensor_parallel(model, mesh_2d["tp"])
+            mesh = mesh_2d["dp"]
+        elif SHARD_GROUP and SHARD_GROUP < world:
             mesh = init_device_mesh(device.type, (world // SHARD_GROUP, SHARD_GROUP), mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh(device.type, (world,))
@@ -106,7 +112,42 @@ _FSDP2 = '''
 
     def clip(model):
         # On the sharded gradients (DTensors): the norm is reduced across ranks, no gradient is gathered.
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if TP == 1:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], GRAD_CLIP)
+            return
+        # Under TP the gradients live on two meshes (2-D dp x tp for the sliced linears, 1-D dp for the
+        # norms), which clip_grad_norm_ cannot stack: each norm is made a plain tensor first.
+        from torch.distributed.tensor import DTensor
+        squares = torch.zeros((), dtype=torch.float32)
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            squares = squares + (norm.full_tensor() if isinstance(norm, DTensor) else norm).to(squares.device) ** 2
+        coef = float(torch.clamp(GRAD_CLIP / (squares.sqrt() + 1e-6), max=1.0))
+        for grad in grads:
+            grad.mul_(coef)
+
+
+    def tensor_parallel(model, tp_mesh):
+        # The model's own transformers TP plan (config.base_model_tp_plan, merged with the head's entry into
+        # model._tp_plan): q/k/v and gate/up colwise, o/down rowwise, the embedding vocab-sharded, the head
+        # colwise with the logits gathered. Attention reshapes with -1 heads, so each rank runs heads / TP.
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+        styles = {{"colwise": lambda: ColwiseParallel(), "rowwise": lambda: RowwiseParallel(),
+                   "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+                   "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}}
+        plan = dict(getattr(model, "_tp_plan", None) or {{}})
+        parallelize_module(model, tp_mesh, {{path: styles[style]() for path, style in plan.items()}})
+        # parallelize_module gives the embedding and the head new parameters each: a tied head takes the
+        # embedding's back (both are vocab-sharded the same way).
+        inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+        if TIED and outputs is not None and outputs.weight is not inputs.weight:
+            outputs.weight = inputs.weight
 
 
     def sync_gradients(model, last):
@@ -189,7 +230,8 @@ _MAIN = '''
             load_checkpoint(model, optimizer, resume)
             if rank == 0:
                 print(f"resumed from {{resume}} at step {{first}}", flush=True)
-        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank, first * GRAD_ACCUM)
+        # The ranks of one TP group read the same batch: data comes per data-parallel rank.
+        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank // TP, first * GRAD_ACCUM)
         start = time.perf_counter()
         for step in range(first, STEPS):
             total = 0.0
@@ -244,6 +286,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
                   steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
                   ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
+                  tp=plan.parallelism.tp,
                   pure=t.precision == "bf16-pure", lora=repr(lora),
                   config=repr(config), weights=repr(options.weights or ""), ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
                   save_every=0 if eight_bit else sched.save_every or sched.steps,
@@ -252,7 +295,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
     if version == 2:
         offload = bool(s.offload_params)
         body = _FSDP2.format(reshard=s.reshard_after_forward if s.sharding != "shard_grad_op" else False,
-                             separate=separate_embedding_units(s, plan.model),
+                             separate=separate_embedding_units(s, plan.model) and plan.parallelism.tp == 1,
                              fsdp2_imports="(\n            CPUOffloadPolicy,\n            MixedPrecisionPolicy,\n"
                              "            fully_shard,\n        )" if offload
                              else "MixedPrecisionPolicy, fully_shard",
@@ -307,6 +350,12 @@ def _check_kind(plan: Plan, version: int) -> list[str]:
 
 def emit_fsdp(plan: Plan, options: EmitOptions, version: int = 1) -> Emitted:
     notes = _check_kind(plan, version)
+    if plan.parallelism.tp > 1:
+        if plan.strategy.kind != "fsdp2" or plan.training.loss == "chunked" or plan.training.lora is not None:
+            raise ShardfitError("the FSDP2 x TP script runs strategy fsdp2 with the standard loss and no LoRA: "
+                                "change the plan, or use --format accelerate")
+        notes.append(f"tp={plan.parallelism.tp}: the script runs the model's own transformers TP plan (gathered logits, "
+                     "no sequence parallel): memory as `shardfit plan ... --tp N --no-loss-parallel` without --sp")
     if plan.strategy.kind == "zero3":
         from dataclasses import replace
         offload = "cpu" if plan.strategy.offload_params else None
