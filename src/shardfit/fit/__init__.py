@@ -1,7 +1,5 @@
-"""Third stage: search the plan space for the fastest plan that fits (analytic; no torch)."""
-from shardfit.fit.explain import Rejection
-from shardfit.fit.request import FitRequest, Pins, SearchOptions
-from shardfit.fit.search import Candidate, FitResult, fit
-from shardfit.fit.steptime import StepTime, step_time
+"""Third stage: search the plan space for the fastest plan that fits (analytic; no torch).
 
-__all__ = ["Candidate", "FitRequest", "FitResult", "Pins", "Rejection", "SearchOptions", "StepTime", "fit", "step_time"]
+`fit.search.fit(fit.request.FitRequest)`; the step-time model is fit/steptime.py. NOTE: this file
+imports nothing, so `plan`, which needs only the step-time model, does not import the search.
+"""
