@@ -17,12 +17,11 @@ CASES = [  # (model, gpu, GPUs per node, nodes, seq, global batch)
 
 def main() -> int:
     started = time.perf_counter()
-    from shardfit.fit.request import FitRequest
-    from shardfit.fit.search import fit
+    from shardfit.fit import FitRequest, fit
     from shardfit.spec.models import load_model_spec
     imported = time.perf_counter() - started
     print(f"# bench_fit  python {platform.python_version()}  {platform.machine()}  {time.strftime('%Y-%m-%d')}")
-    print(f"import shardfit.fit.search: {imported * 1000:.0f} ms")
+    print(f"import shardfit.fit: {imported * 1000:.0f} ms")
     print(f"{'model':16s} {'cluster':>14s} {'seq':>5s} {'best':34s} {'estimates':>9s} {'median ms':>9s} {'max ms':>7s}")
     worst = 0.0
     for model, gpu, gpus, nodes, seq, batch in CASES:

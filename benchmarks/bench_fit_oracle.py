@@ -52,7 +52,7 @@ def oracle_model():
 
 
 def request(profile_gpu, model):
-    from shardfit.fit.request import FitRequest
+    from shardfit.fit import FitRequest
 
     return FitRequest.build(model=model, gpu=f"custom:{BUDGET_BYTES / 2**30!r}", gpus_per_node=RANKS, nodes=1, seq_len=SEQ,
                             global_batch=GLOBAL_BATCH, margin=MARGIN, precision="fp32", engines=("ddp", "deepspeed", "fsdp"),
@@ -158,8 +158,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def run(profile_path: str | None, out: Path, reduced: bool = False, progress=print) -> dict:
-    from shardfit.fit.search import fit
-    from shardfit.fit.steptime import step_time
+    from shardfit.fit import fit, step_time
     from shardfit.spec.device_profile import load_profile
 
     started = time.perf_counter()

@@ -8,8 +8,7 @@ import pytest
 
 from shardfit.estimate import estimate
 from shardfit.estimate.selective import selective_kept
-from shardfit.fit.request import FitRequest
-from shardfit.fit.search import fit
+from shardfit.fit import FitRequest, fit
 from shardfit.spec.models import load_model_spec, model_spec_for
 from shardfit.spec.plan import Cluster, Plan, Schedule, Training, is_selective_ac, parse_activation_checkpointing, parse_strategy
 

@@ -9,9 +9,7 @@ import pytest
 from launch import shardfit
 from shardfit.errors import ShardfitError
 from shardfit.estimate.traffic import micro_batch_traffic_bytes
-from shardfit.fit.request import FitRequest
-from shardfit.fit.search import fit
-from shardfit.fit.steptime import step_time
+from shardfit.fit import FitRequest, fit, step_time
 from shardfit.fit.steptime import GEMM_EFFICIENCY, comm_parts, matmul_rate, memory_seconds, optimizer_seconds
 from shardfit.spec.device_profile import DeviceProfile, load_profile, save_profile
 from shardfit.spec.gpus import get_gpu
@@ -118,7 +116,7 @@ def test_plan_and_fit_commands_use_the_profile_without_torch(tmp_path):
     planned = shardfit("plan", "tiny-llama", "--gpus", "2", "--strategy", "ddp,zero3", "--device", "cpu",
                        "--device-profile", str(path)).stdout
     assert "step time under" in planned and "zero3" in planned.split("step time under")[1]
-    code = (f"import sys; from shardfit.spec.device_profile import load_profile; from shardfit.fit.search import fit;"
+    code = (f"import sys; from shardfit.spec.device_profile import load_profile; from shardfit.fit import fit;"
             f"g = load_profile({str(path)!r}).as_gpu(); assert g.measured is not None;"
             f"assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -7,8 +7,7 @@ import pytest
 
 from shardfit.errors import ShardfitError
 from shardfit.estimate.estimator import estimate
-from shardfit.fit.request import FitRequest
-from shardfit.fit.search import fit
+from shardfit.fit import FitRequest, fit
 from shardfit.fit.families import families
 from shardfit.spec.gpus import get_gpu
 from shardfit.spec.models import load_model_spec
@@ -128,7 +127,7 @@ def test_bad_requests_are_one_line_errors():
 
 
 def test_405b_on_1024_gpus_answers_in_under_a_second_without_torch():
-    code = ("import sys, time\nfrom shardfit.spec.models import load_model_spec\nfrom shardfit.fit.request import FitRequest\nfrom shardfit.fit.search import fit\n"
+    code = ("import sys, time\nfrom shardfit.spec.models import load_model_spec\nfrom shardfit.fit import FitRequest, fit\n"
             "m = load_model_spec('llama-3.1-405b')\nt = time.perf_counter()\n"
             "r = fit(FitRequest.build(model=m, gpu='H100-80GB', gpus_per_node=8, nodes=128, seq_len=8192, global_batch=2048))\n"
             "print(time.perf_counter() - t, 'torch' in sys.modules, r.best is not None)")

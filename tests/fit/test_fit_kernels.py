@@ -9,8 +9,7 @@ import pytest
 
 from shardfit.emit import emit
 from shardfit.estimate.estimator import estimate
-from shardfit.fit.request import FitRequest
-from shardfit.fit.search import fit
+from shardfit.fit import FitRequest, fit
 from shardfit.fit.report import format_text, to_json
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import plan_from_dict

@@ -7,8 +7,7 @@ import pytest
 
 from shardfit import cli
 from shardfit.estimate import estimate
-from shardfit.fit.request import FitRequest
-from shardfit.fit.search import fit
+from shardfit.fit import FitRequest, fit
 from shardfit.fit.families import NVME_PLACEHOLDER, families
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import Plan, parse_strategy

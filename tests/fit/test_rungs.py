@@ -9,8 +9,7 @@ import pytest
 from shardfit.cli import main
 from shardfit.emit import emit
 from shardfit.estimate.estimator import estimate
-from shardfit.fit.request import FitRequest
-from shardfit.fit.search import fit
+from shardfit.fit import FitRequest, fit
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.planfile import load_plan
 
