@@ -161,11 +161,26 @@ def test_function_local_imports_only_keep_heavy_libraries_out():
 
 
 @pytest.mark.parametrize("modules", [
-    "shardfit.fit, shardfit.bench.run, shardfit.spec.models",
-    "shardfit.estimate.estimator, shardfit.emit, shardfit.doctor, shardfit.measure.verify, shardfit.measure.run, "
+    "shardfit.fit.search, shardfit.bench.run, shardfit.spec.models",
+    "shardfit.estimate.estimator, shardfit.emit, shardfit.doctor.diagnose, shardfit.measure.verify, shardfit.measure.run, "
     "shardfit.launcher, shardfit.commands.plan, shardfit.commands.fit, shardfit.commands.profile",
 ])
 def test_the_analytic_path_imports_without_torch(modules):
     code = f"import sys; import {modules}; assert 'torch' not in sys.modules, 'torch imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_plan_imports_only_what_a_plan_needs():
+    """`shardfit plan` (a preset runs the same code as a cached config) needs the estimator, the
+    step-time model and doctor's config readers (--deepspeed ds.json), not fit's search nor doctor's
+    rules: every module more is import time on each `plan` (benchmarks/bench_plan.py: a cached plan
+    in < 0.2 s). The package __init__ files of fit and doctor import nothing for this reason."""
+    unneeded = ("shardfit.fit.search", "shardfit.fit.explain", "shardfit.doctor.rules", "shardfit.doctor.source",
+                "shardfit.doctor.diagnose", "torch", "transformers")
+    code = ("import sys; from shardfit.cli import main\n"
+            "try: main(['plan', 'tiny-llama', '--gpus', '2'])\nexcept SystemExit as e: assert not e.code, e.code\n"
+            f"print(sorted(m for m in sys.modules if m in {unneeded!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -3,7 +3,8 @@ import json
 
 import yaml
 
-from shardfit.doctor import Context, diagnose
+from shardfit.doctor.diagnose import diagnose
+from shardfit.doctor.rules import Context
 from shardfit.spec.gpus import get_gpu
 from shardfit.spec.models import load_model_spec
 

@@ -3,7 +3,8 @@ import textwrap
 
 import pytest
 
-from shardfit.doctor import Context, diagnose
+from shardfit.doctor.diagnose import diagnose
+from shardfit.doctor.rules import Context
 from shardfit.errors import ShardfitError
 from shardfit.spec.gpus import get_gpu
 

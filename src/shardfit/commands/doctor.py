@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from shardfit.doctor import Context, diagnose
+from shardfit.doctor.diagnose import diagnose
+from shardfit.doctor.rules import Context
 from shardfit.errors import ShardfitError
 from shardfit.spec.gpus import get_gpu, split_gpus
 from shardfit.spec.models import load_model_spec

@@ -8,7 +8,8 @@ import sys
 from shardfit.commands.kernel_flags import add_kernel_arguments, kernel_changes
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
 from shardfit.errors import ShardfitError
-from shardfit.fit import fit, FitRequest
+from shardfit.fit.request import FitRequest
+from shardfit.fit.search import fit
 from shardfit.fit.report import format_text, to_json
 from shardfit.fit.rungs import RUNG_NAMES
 from shardfit.measure.verify import verify

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardfit.doctor.setup import Setup
+from shardfit.doctor.setup import Setup, setup_strategy
 from shardfit.estimate.estimator import estimate
 from shardfit.fit.host import assumed_host_gib
-from shardfit.spec.deepspeed_config import BUFFER_KEYS, DS_KEY
+from shardfit.spec.deepspeed_config import DS_KEY
 from shardfit.spec.gpus import GPU
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.plan import Cluster, Plan, Strategy, Training
@@ -54,41 +54,12 @@ class Context:
         return self.seq_len or setup.seq_len
 
 
-def _strategy(setup: Setup, **changes) -> Strategy | None:
-    values = {"engine": setup.engine, "zero_stage": setup.zero_stage, "offload_optimizer": setup.offload_optimizer,
-              "offload_params": setup.offload_params, "sharding": setup.sharding}
-    values.update(changes)
-    engine = values["engine"]
-    if engine == "deepspeed":
-        stage = values["zero_stage"] or 0
-        if stage == 0:
-            return Strategy(kind="ddp")
-        off_opt = "cpu" if values["offload_optimizer"] else None
-        off_par = "cpu" if values["offload_params"] and stage == 3 else None
-        if off_par and not off_opt:
-            off_opt = "cpu"
-        bucket = dict(setup.buckets)
-        knobs = {field: int(bucket[key]) for field, key in BUFFER_KEYS if key in bucket}
-        return Strategy(kind=f"zero{stage}", offload_optimizer=off_opt, offload_params=off_par, **knobs)
-    if engine in ("fsdp", "fsdp2"):
-        sharding = values["sharding"] or "full_shard"
-        if engine == "fsdp2":
-            return Strategy(kind="fsdp2", reshard_after_forward=sharding != "shard_grad_op",
-                            offload_params="cpu" if values["offload_params"] else None)
-        if sharding == "hybrid_shard":
-            sharding = "full_shard"  # memory per rank of hybrid = full shard inside the group
-        return Strategy(kind="fsdp", sharding=sharding, offload_params="cpu" if values["offload_params"] else None)
-    if engine in ("ddp", "single"):
-        return Strategy(kind=engine)
-    return None
-
-
 def plan_of(setup: Setup, ctx: Context, **changes) -> Plan | None:
     """The Plan the configs describe (None when model, GPU or world size are unknown)."""
     world = ctx.world(setup)
     if ctx.model is None or ctx.gpu is None or not world:
         return None
-    strategy = _strategy(setup, **changes)
+    strategy = setup_strategy(setup, **changes)
     if strategy is None:
         return None
     nodes = ctx.node_count(setup)

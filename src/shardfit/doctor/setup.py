@@ -12,7 +12,7 @@ from pathlib import Path
 from shardfit.errors import ShardfitError
 from shardfit.spec.deepspeed_config import BUFFER_KEYS
 from shardfit.spec.planfile import DuplicateKey, json_load_unique, yaml_load_unique
-from shardfit.spec.plan import is_deepspeed_kind
+from shardfit.spec.plan import Strategy, is_deepspeed_kind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,3 +326,34 @@ def read_setup(paths) -> tuple[Setup, list[tuple[str, str]]]:
     where += [(a, path) for a, path in autos if a in values["auto"] and all(n != a for n, _ in where)]
     setup = Setup(**{k: v for k, v in values.items() if k in known})
     return replace(setup, sources=tuple(sources), where=tuple(where)), kinds
+
+
+def setup_strategy(setup: Setup, **changes) -> Strategy | None:
+    """The Strategy the configs describe (None: no engine named); `changes` override what they say.
+    Doctor's rules and `plan`/`fit --from-...` (integrations/setup_plan.py) map a setup the same way."""
+    values = {"engine": setup.engine, "zero_stage": setup.zero_stage, "offload_optimizer": setup.offload_optimizer,
+              "offload_params": setup.offload_params, "sharding": setup.sharding}
+    values.update(changes)
+    engine = values["engine"]
+    if engine == "deepspeed":
+        stage = values["zero_stage"] or 0
+        if stage == 0:
+            return Strategy(kind="ddp")
+        off_opt = "cpu" if values["offload_optimizer"] else None
+        off_par = "cpu" if values["offload_params"] and stage == 3 else None
+        if off_par and not off_opt:
+            off_opt = "cpu"
+        bucket = dict(setup.buckets)
+        knobs = {field: int(bucket[key]) for field, key in BUFFER_KEYS if key in bucket}
+        return Strategy(kind=f"zero{stage}", offload_optimizer=off_opt, offload_params=off_par, **knobs)
+    if engine in ("fsdp", "fsdp2"):
+        sharding = values["sharding"] or "full_shard"
+        if engine == "fsdp2":
+            return Strategy(kind="fsdp2", reshard_after_forward=sharding != "shard_grad_op",
+                            offload_params="cpu" if values["offload_params"] else None)
+        if sharding == "hybrid_shard":
+            sharding = "full_shard"  # memory per rank of hybrid = full shard inside the group
+        return Strategy(kind="fsdp", sharding=sharding, offload_params="cpu" if values["offload_params"] else None)
+    if engine in ("ddp", "single"):
+        return Strategy(kind=engine)
+    return None

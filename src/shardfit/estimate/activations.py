@@ -34,7 +34,8 @@ class Profile:
                  "loss_fwd_temp", "loss_bwd_temp", "bwd_work", "bwd_work_quad", "attn_fwd_temp_quad",
                  "per_position", "dequant_temp", "weight_copies", "head_weight_copy", "block_const", "head_const",
                  "first_block_discount", "block_per_position", "block_per_position_quad", "block_per_sample",
-                 "head_quad", "head_per_position_quad", "head_per_sample", "source", "forward_inside")
+                 "head_quad", "head_per_position_quad", "head_per_sample", "source", "forward_inside",
+                 "head_after_embedding")
 
     def __init__(self):
         # Terms only traced profiles have (broadcast position tables and masks, per-sequence tensors).
@@ -122,6 +123,9 @@ def _shape_terms(p: Profile, model, regime: str, attention: str, lora) -> None:
     p.bwd_work_quad = (4 + d) * heads if attention == "eager" else 0
     p.attn_fwd_temp_quad = 2 * d * heads if attention == "eager" else 0
     p.dequant_temp = tmp.qlora_dequant_bytes(model, regime, lora[2]) if lora is not None else 0
+    # Per token, the head tensors that do not exist before the head runs (labels "embedding.*" do):
+    # summed once here rather than on every estimate.
+    p.head_after_embedding = sum(per for label, per, _ in p.head_items if not label.startswith("embedding."))
 
 
 @lru_cache(maxsize=512)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from contextlib import contextmanager
-from fractions import Fraction
 from functools import lru_cache
 
 from shardfit import sac
@@ -47,6 +46,10 @@ def trace_sequence_base(max_position: int) -> int:
 def _solve(points: dict) -> dict:
     """Exact coefficients of v = A*b*s + B*b*s^2 + C*s + D*s^2 + E*b + F from v at b in (1, 2) and
     three sequence lengths: the b-dependent part from differences, the rest from b = 1."""
+    # NOTE: imported here, with the tracer's torch: a cached `plan` never solves, and fractions (with
+    # decimal) is a noticeable part of its import time.
+    from fractions import Fraction
+
     lengths = sorted({s for _, s in points})
     per_b = [Fraction(points[(2, s)] - points[(1, s)]) for s in lengths]
     flat = [Fraction(points[(1, s)]) - d for s, d in zip(lengths, per_b)]
@@ -251,7 +254,7 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
     pre, post = solve("pre"), solve("post")
     # What blocks other than the representatives save beyond their kind's coefficients (block 0's
     # rotary tables, a frozen first input under LoRA): counted once, with the embedding.
-    extra = {t: Fraction(0) for t in TERMS}
+    extra = {t: 0 for t in TERMS}  # becomes a Fraction as the solved terms add up
     for index, kind in enumerate(kinds):
         if index != last[kind]:
             own = solve(index)

@@ -153,6 +153,7 @@ def optimizer_state_bytes_per_param(optimizer: str, state_bytes: int, factored: 
     return state_bytes * factored  # adafactor
 
 
+@lru_cache(maxsize=512)
 def zero3_persistent_params(model, threshold: int) -> int:
     """Parameters ZeRO-3 keeps gathered on every rank: tensors with numel below
     stage3_param_persistence_threshold (norms, biases, and every matrix of a small model)."""
@@ -201,6 +202,7 @@ def param_before_largest(model) -> int:
     return embed if position > embed and position >= model.largest_layer_params else 0
 
 
+@lru_cache(maxsize=512)
 def zero3_gathered_bounds(model, threshold: int) -> tuple[int, int]:
     """(largest tensor ZeRO-3 gathers, all gatherable params): tensors at or above the threshold."""
     if model.derived:

@@ -125,7 +125,22 @@ class Activations:
 
 
 def activations_step(plan, device: str, record: Recorder | None) -> Activations:
-    model, kind, training, lora = plan.model, plan.strategy.kind, plan.training, plan.training.lora
+    """The activations of a plan. They depend on the model, the strategy's kind, the training section
+    and the device only, so fit's sweeps over strategy variants, cluster sizes and accumulation share
+    them: without explain they are built once per such key. NOTE: the result may be shared between
+    plans; nothing mutates an Activations after this (uncounted() returns a copy)."""
+    if record is None:
+        return _shared_activations(plan.model, plan.strategy.kind, plan.training, device)
+    return _activations(plan.model, plan.strategy.kind, plan.training, device, record)
+
+
+@lru_cache(maxsize=4096)
+def _shared_activations(model, kind: str, training, device: str) -> Activations:
+    return _activations(model, kind, training, device, None)
+
+
+def _activations(model, kind: str, training, device: str, record: Recorder | None) -> Activations:
+    lora = training.lora
     regime = precision_regime(training.precision, kind, lora)
     if not model.has_shape:
         if record:
@@ -155,8 +170,7 @@ def activations_step(plan, device: str, record: Recorder | None) -> Activations:
     out.kept_per_block = int(kept[0] * tokens + kept[1] * tokens * seq)
     out.recompute = max(0, block - out.kept_per_block) if checkpointed else 0
     # Activations that exist before the head runs: embedding indices, rotary tables / positions.
-    before_head = head - int(tokens * sum(per for label, per, _ in profile.head_items
-                                          if not label.startswith("embedding.")))
+    before_head = head - int(tokens * profile.head_after_embedding)
     if training.loss == "chunked":  # the head + loss per row chunk (estimate/chunked_loss.py)
         out.head, out.loss_forward, out.loss_inputs, out.loss_backward, out.loss_grads = closs.chunked_loss_bytes(
             model, regime, kind, training.micro_batch, seq, training.loss_chunks, lora is None, head,
@@ -180,12 +194,12 @@ def activations_step(plan, device: str, record: Recorder | None) -> Activations:
     out.weight_copies_forward = autocast_weight_copy_bytes(profile, model.num_layers, 0)
     out.weight_copies = autocast_weight_copy_bytes(profile, model.num_layers, checkpointed)
     if record:
-        _record_activations(record, plan, out, kept)
+        _record_activations(record, model, training, out, kept)
     return out
 
 
-def _record_activations(record: Recorder, plan, acts: Activations, kept) -> None:
-    model, training, profile, term = plan.model, plan.training, acts.profile, record.term
+def _record_activations(record: Recorder, model, training, acts: Activations, kept) -> None:
+    profile, term = acts.profile, record.term
     term("activations.block", acts.block, "b*s*sum(block tensors) + b*s^2*sum(quadratic tensors)",
          {"b": training.micro_batch, "s": training.seq_len, "regime": acts.regime, "attention": training.attention,
           "per_token": profile.block, "per_token_per_s": profile.block_quad,

@@ -36,13 +36,19 @@ class ModelFacts:
 
 
 def model_facts(plan) -> ModelFacts:
-    model, kind, training, lora = plan.model, plan.strategy.kind, plan.training, plan.training.lora
+    training = plan.training
+    return _plan_facts(plan.model, training.lora, plan.strategy.is_deepspeed, training.precision, training.optimizer)
+
+
+@lru_cache(maxsize=1024)
+def _plan_facts(model, lora, deepspeed: bool, precision: str, optimizer: str) -> ModelFacts:
+    """model_facts for what it reads of a plan: the same for every micro-batch, sequence and cluster."""
     lora_key = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     trained, frozen_bytes, factored = _model_facts(model, lora_key)
-    if lora is not None and plan.strategy.is_deepspeed and training.precision in ("bf16", "fp16") and lora.base_dtype == "fp32":
+    if lora is not None and deepspeed and precision in ("bf16", "fp16") and lora.base_dtype == "fp32":
         # DeepSpeed's bf16 / fp16 mode casts the whole module, the frozen fp32 base too (measured: engine matrix).
         frozen_bytes = sts.frozen_base_bytes(model, "bf16")
-    if training.optimizer == "adamw8bit":
+    if optimizer == "adamw8bit":
         factored = sts.eightbit_fraction(model, *(lora_key[:2] if lora_key else ()))
     return ModelFacts(trained, frozen_bytes, factored)
 

@@ -1,7 +1,7 @@
 """An existing setup -> a Plan: what `plan --from-...`, `fit --from-...` and the trainer callbacks size.
 
 The files are read by doctor's reader (`shardfit.doctor.setup`: DeepSpeed JSON, Accelerate YAML,
-TrainingArguments JSON), the strategy is doctor's mapping (`doctor.rules._strategy`), so plan, fit,
+TrainingArguments JSON), the strategy is doctor's mapping (`doctor.setup.setup_strategy`), so plan, fit,
 doctor and the callbacks all see a configuration the same way. What the files leave open or "auto"
 is taken from the arguments, else assumed, and every assumption is listed.
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from shardfit.doctor.rules import _strategy
-from shardfit.doctor.setup import Setup, read_file, read_setup
+from shardfit.doctor.setup import Setup, read_file, read_setup, setup_strategy
 from shardfit.errors import ShardfitError
 from shardfit.spec.plan import Cluster, Plan, Strategy, Training, validate_plan
 
@@ -25,7 +24,7 @@ class SetupPlan:
 
 
 def _strategy_of(setup: Setup, world: int) -> Strategy:
-    strategy = _strategy(setup) if setup.engine is not None else None
+    strategy = setup_strategy(setup) if setup.engine is not None else None
     if strategy is None:
         return Strategy(kind="ddp" if world > 1 else "single")
     if strategy.kind == "single" and world > 1:

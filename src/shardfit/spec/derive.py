@@ -10,7 +10,6 @@ torch and transformers are imported inside the functions: importing this module 
 """
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from contextlib import contextmanager
 
@@ -30,6 +29,8 @@ _SHARED = ("n_shared_experts", "num_shared_experts", "shared_expert_count")
 def quiet():
     """transformers' config warnings (token ids outside a small vocabulary, ...) and torch's fake-tensor
     error log are noise for a derivation: a real failure still raises and becomes one error line."""
+    import logging  # NOTE: only a derivation needs it (transformers and torch import it anyway); a cached plan does not
+
     loggers = [logging.getLogger(name) for name in ("transformers", "torch._subclasses.fake_tensor")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:

@@ -69,6 +69,20 @@ class ModelSpec:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def __hash__(self) -> int:
+        # NOTE: a spec is the key of every per-model lru_cache the estimator keeps (fit looks them up
+        # tens of thousands of times a second): the generated dataclass hash would re-hash every field,
+        # a derived spec's shape tuples too, on each look-up. Fields never change, so hash them once.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        # str hashes differ between processes: a pickled spec must not carry this process's hash.
+        return {name: value for name, value in self.__dict__.items() if name != "_hash"}
+
     def __post_init__(self):
         # NOTE: YAML/JSON give lists; a frozen spec is a cache key, so nested sequences become tuples.
         for name in ("block_kinds", "linears", "tensor_shapes"):

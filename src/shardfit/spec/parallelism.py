@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 from shardfit.errors import ShardfitError
 
@@ -46,8 +47,9 @@ class Parallelism:
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = training.grad_accum
     ep: int = 1
 
-    @property
+    @cached_property
     def is_default(self) -> bool:
+        # cached: estimate() asks it of every plan (a fresh instance and a 12-field compare each time).
         return self == Parallelism()
 
     @property

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from shardfit.errors import ShardfitError
 from shardfit.spec.models import load_model_spec
+from shardfit.spec.spec_cache import write_text_atomically
 from shardfit.spec.plan import Plan, plan_from_dict
 
 
@@ -167,15 +166,5 @@ def dump_plan(plan: Plan, path) -> Path:
     directory = file.parent if str(file.parent) else Path(".")
     if not directory.is_dir():
         raise ShardfitError(f"cannot write {file}: folder {directory} does not exist")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp_name, file)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except OSError:
-            pass
-        raise
+    write_text_atomically(file, text)
     return file

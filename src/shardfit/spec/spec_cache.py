@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import threading
 from functools import lru_cache
 from importlib.util import find_spec
 from pathlib import Path
@@ -81,12 +81,28 @@ def write_entry(key: str, entry: dict) -> None:
     path = entry_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
-            json.dump({**entry, "key": key}, handle, sort_keys=True)
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps({**entry, "key": key}, sort_keys=True))
     except OSError:
         return
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write a file through a temporary one beside it and a rename: a reader (another rank, another
+    command) sees the old file or the new one, never half of it. The temporary name is unique per
+    process and thread. NOTE: not tempfile.mkstemp: importing tempfile (random, shutil, bz2, lzma)
+    costs more than the rest of a cached `plan`'s own work (benchmarks/bench_plan.py)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def clear() -> int:
