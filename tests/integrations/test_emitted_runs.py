@@ -119,3 +119,27 @@ def test_deepspeed_launcher_runs_the_emitted_script_and_hostfile(tmp_path):
     measured = max(r["peak_mem_bytes"] for r in records)
     predicted = estimate(plan, device="cpu").peak_bytes
     assert 0 < measured <= 1.05 * predicted, (measured, predicted)
+
+
+@pytest.mark.multirank
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_deepspeed_launcher_runs_a_loop_on_the_emitted_ds_config(tmp_path):
+    """`--entry` with the emitted ds_config.json: DeepSpeed builds the optimizer the JSON names (its
+    FusedAdam, a compiled op the ranks must load, not rebuild)."""
+    pytest.importorskip("deepspeed")
+    plan = plan_from_dict({"model": "tiny-llama", "cluster": {"gpus_per_node": 2},
+                           "strategy": {"kind": "zero2", "reduce_bucket_size": 4096, "allgather_bucket_size": 4096},
+                           "training": {"micro_batch": 4, "seq_len": 64, "precision": "fp32"},
+                           "schedule": {"steps": 6, "lr": 3e-3, "warmup_steps": 0}}, resolve_model=model_spec_for)
+    write_files(emit(plan, "deepspeed").files, tmp_path, single=False)
+    entry = f"{HERE / 'ds_config_script.py'} ds_config.json {tmp_path / 'out'} 6"
+    write_files(emit(plan, "deepspeed-launcher", EmitOptions(entry=entry, master_port=free_port())).files, tmp_path,
+                single=False)
+    deepspeed_launcher(tmp_path / "run_deepspeed.sh", timeout=240)
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    _falls(result["losses"])  # the first step runs at lr 0: WarmupCosineLR's own start
+    assert (result["stage"], result["world"], result["optimizer"]) == (2, 2, "FusedAdam")
+    measured = max(result["peak_by_rank"])
+    predicted = estimate(plan, device="cpu").peak_bytes
+    assert 0 < measured <= 1.05 * predicted, (measured, predicted)
