@@ -1,13 +1,16 @@
-"""The one launcher helper for multi-rank tests: real torchrun processes on 127.0.0.1, bounded by a
-timeout so a hang fails fast with a clear message instead of stalling the suite."""
+"""The one launcher helper for multi-rank tests: real torchrun processes on 127.0.0.1 (or DeepSpeed's
+own launcher), bounded by a timeout so a hang fails fast with a clear message instead of stalling
+the suite."""
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from shardfit import launcher
@@ -53,9 +56,9 @@ def run(command: list[str], timeout: float = 180, env: dict | None = None, cwd: 
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        stdout, _ = process.communicate()
+        stdout, stderr = process.communicate()
         raise AssertionError(f"timed out after {timeout:.0f}s (a hang?): {' '.join(map(str, command))}\n"
-                             f"{stdout[-3000:]}") from None
+                             f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-3000:]}") from None
     except BaseException:
         os.killpg(process.pid, signal.SIGKILL)
         raise
@@ -64,6 +67,80 @@ def run(command: list[str], timeout: float = 180, env: dict | None = None, cwd: 
         raise AssertionError(f"exit {result.returncode}: {' '.join(map(str, command))}\n"
                              f"--- stdout ---\n{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-6000:]}")
     return result
+
+
+def deepspeed_launcher(script: Path, timeout: float = 180, env: dict | None = None,
+                       check: bool = True) -> subprocess.CompletedProcess:
+    """Run an emitted `run_deepspeed.sh` (DeepSpeed's runner -> its launch.py -> the ranks) so that
+    the ranks load the CPU ops scripts/test.sh prebuilt instead of rebuilding them (minutes each,
+    past any timeout, in the folder every other DeepSpeed test loads from). A build is current only
+    for the same interpreter path and the same ninja: torch writes the absolute paths of the Python
+    that builds into build.ninja, and runs the `ninja` first on PATH, whose build log differs between
+    versions (the venv's ninja 1.13 writes log v7 and discards Debian's 1.11 v5 log; 1.11 reads v7
+    but its command hashes never match): a build by the other ninja looks out of date, and every
+    object is compiled again (measured: the shm op rebuilt twice, 190-210 s each on 2 cores). So:
+    - `deepspeed` is this interpreter's: DeepSpeed starts the ranks with the runner's own
+      sys.executable, and the venv's console script names the interpreter it was installed with
+      (#!/work/main/.venv/bin/python, also for a worktree's symlinked venv). The shim folder holds
+      that one script, re-pointed; nothing else on PATH changes (the venv's bin/ would bring its ninja).
+    - TORCH_EXTENSIONS_DIR is test_env's (the runner passes the environment on unchanged on one node).
+    At the timeout the whole process group is killed, and a build lock a killed rank left behind is
+    removed (it would block every later op load until test.sh's 30-minute rule)."""
+    env = dict(env or test_env())
+    shim = Path(tempfile.mkdtemp(prefix="shardfit-ds-bin-"))
+    console = Path(sys.executable).with_name("deepspeed").read_text().splitlines(keepends=True)
+    (shim / "deepspeed").write_text(f"#!{sys.executable}\n" + "".join(console[1:]))
+    (shim / "deepspeed").chmod(0o755)
+    env["PATH"] = f"{shim}{os.pathsep}{env.get('PATH', '')}"
+    ops = Path(env["TORCH_EXTENSIONS_DIR"])
+    remove_stale_locks(ops)
+    built = _op_builds(ops)
+    try:
+        result = run(["bash", str(script)], timeout=timeout, env=env, cwd=Path(script).parent, check=check)
+    finally:
+        remove_stale_locks(ops)
+        shutil.rmtree(shim, ignore_errors=True)
+    after = _op_builds(ops)
+    rebuilt = sorted(f"{path.parent.name}/{path.name}" for path, mtime in built.items() if after.get(path) != mtime)
+    assert not rebuilt, (f"the ranks rebuilt prebuilt DeepSpeed ops {rebuilt} in {ops}: their interpreter "
+                         "path or ninja differs from the prebuild's")
+    return result
+
+
+def _op_builds(extensions: Path) -> dict[Path, float]:
+    """Each built op's objects and library -> modification time."""
+    return {path: path.stat().st_mtime for path in Path(extensions).glob("*/*") if path.suffix in (".o", ".so")}
+
+
+def remove_stale_locks(extensions: Path) -> list[Path]:
+    """Delete torch-extension build locks no live process holds. A builder keeps its lock open from
+    creation to release (torch.utils.file_baton), so a lock nobody has open was left by a killed
+    build. Locks are listed before the processes are scanned: one created after the scan is not in
+    the list."""
+    locks = {}
+    for path in Path(extensions).glob("*/lock"):
+        try:
+            locks[path] = path.stat().st_ino
+        except FileNotFoundError:  # released meanwhile
+            continue
+    if not locks or not Path("/proc/self/fd").is_dir():
+        return []
+    held = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            for fd in fd_dir.iterdir():
+                held.add(os.readlink(fd))
+        except OSError:  # gone, or not ours to read
+            continue
+    removed = []
+    for path, inode in locks.items():
+        try:
+            if str(path.resolve()) not in held and path.stat().st_ino == inode:
+                path.unlink()
+                removed.append(path)
+        except FileNotFoundError:  # released meanwhile
+            continue
+    return removed
 
 
 def shardfit(*args: str, timeout: float = 120, check: bool = True, env: dict | None = None,

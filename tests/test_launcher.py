@@ -66,3 +66,21 @@ def test_a_job_past_its_timeout_is_stopped_with_its_ranks(tmp_path):
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids), f"ranks outlived the launcher ({time.monotonic() - started:.0f}s)"
     assert sys.executable in done.command[0]
+
+
+def test_a_build_lock_nobody_holds_is_removed_and_a_held_one_kept(tmp_path):
+    """What a killed DeepSpeed op build leaves (tests/launch.py removes it after a launcher run): a
+    lock file no live process has open. A live builder keeps its lock open until it releases it."""
+    from torch.utils.file_baton import FileBaton
+
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "lock").touch()  # its builder was killed
+    (tmp_path / "fused_adam").mkdir()
+    held = FileBaton(str(tmp_path / "fused_adam" / "lock"))
+    assert held.try_acquire()  # torch's own lock, as a building rank holds it
+    try:
+        assert launch.remove_stale_locks(tmp_path) == [tmp_path / "cpu_adam" / "lock"]
+        assert (tmp_path / "fused_adam" / "lock").exists() and not (tmp_path / "cpu_adam" / "lock").exists()
+    finally:
+        held.release()
+    assert launch.remove_stale_locks(tmp_path) == []

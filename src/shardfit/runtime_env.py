@@ -22,6 +22,13 @@ def extensions_dir() -> str:
     return str(Path.home() / ".cache" / "shardfit" / "torch_extensions" / key)
 
 
+def local_world_size(default: int | None = None) -> int | None:
+    """Ranks on this node, from the launcher that started them: torchrun sets LOCAL_WORLD_SIZE,
+    DeepSpeed's launcher (`deepspeed --hostfile ...`) sets LOCAL_SIZE instead."""
+    text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return int(text) if text else default
+
+
 def launch_env(base: dict | None = None) -> dict:
     """A copy of the environment for torchrun ranks: one OpenMP thread per rank (ranks share the
     cores), the op cache above, and DeepSpeed told up front when there is no GPU (otherwise every

@@ -202,3 +202,18 @@ def test_engines_run_the_zero_section_emit_writes(label):
             assert on_cpu[key] == {**emitted[key], "pin_memory": False}
     if strategy.kind == "zero3":
         assert emitted["stage3_max_reuse_distance"] == 12345
+
+
+@pytest.mark.parametrize("warmup", [0, 5])
+def test_the_emitted_scheduler_is_one_deepspeed_builds(warmup):
+    """DeepSpeed's config parser passes `warmup_num_steps: 0`, its WarmupCosineLR refuses it at
+    deepspeed.initialize: the scheduler is built here from the emitted params."""
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    plan = replace(make("zero2"), schedule=replace(make("zero2").schedule, warmup_steps=warmup, steps=20, lr=1e-3))
+    scheduler_config = json.loads(emit(plan, "deepspeed").main)["scheduler"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = WarmupCosineLR(optimizer, **scheduler_config["params"])
+    scheduler.step()  # after the first step: full rate without warm-up, a fraction of it with
+    assert (scheduler.get_last_lr()[0] == pytest.approx(1e-3)) == (warmup == 0)

@@ -41,3 +41,17 @@ def test_relaunch_uses_the_launch_env(monkeypatch, debug):
     assert seen["env"] == (launch_env() if debug else {**launch_env(), supervise.SUPERVISED_ENV: "1"})
     assert seen["env"]["TORCH_EXTENSIONS_DIR"] == extensions_dir() and seen["env"]["OMP_NUM_THREADS"] == "1"
     assert "--max-restarts=0" in seen["command"]
+
+
+@pytest.mark.parametrize("local_key", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
+def test_the_cluster_is_the_launch_under_torchrun_and_the_deepspeed_launcher(monkeypatch, local_key):
+    """torchrun names the ranks per node LOCAL_WORLD_SIZE, DeepSpeed's launcher (`emit --format
+    deepspeed-launcher`) LOCAL_SIZE: either way 16 ranks, 8 per node, are 2 nodes x 8."""
+    from shardfit.train.launch import build_plan
+
+    for key in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv(local_key, "8")
+    cluster = build_plan(TrainFlags(strategy="zero2")).cluster
+    assert (cluster.nodes, cluster.gpus_per_node) == (2, 8)

@@ -38,10 +38,13 @@ def deepspeed_config(plan: Plan) -> dict:
         config["optimizer"] = {"type": _DS_OPTIMIZERS[t.optimizer],
                                "params": {"lr": sched.lr, "betas": [0.9, 0.95], "eps": 1e-8,
                                           "weight_decay": sched.weight_decay}}
-        config["scheduler"] = {"type": "WarmupCosineLR",
-                               "params": {"total_num_steps": max(sched.steps, 1),
-                                          "warmup_num_steps": min(sched.warmup_steps, max(sched.steps, 1)),
-                                          "cos_min_ratio": sched.min_lr_ratio}}
+        warmup = min(sched.warmup_steps, max(sched.steps, 1))
+        params = {"total_num_steps": max(sched.steps, 1), "warmup_num_steps": warmup, "cos_min_ratio": sched.min_lr_ratio}
+        if warmup == 0:
+            # WarmupCosineLR refuses 0 warm-up steps at deepspeed.initialize (its config parser lets it
+            # through): one step warming from the full rate is no warm-up.
+            params.update(warmup_num_steps=1, warmup_min_ratio=1.0)
+        config["scheduler"] = {"type": "WarmupCosineLR", "params": params}
     else:
         config["zero_allow_untested_optimizer"] = True
     return config

@@ -51,6 +51,13 @@ def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str
         # Non-reentrant checkpointing; every_n_layers keeps the plan's every-N choice.
         args["activation_checkpointing"] = True
         args["activation_checkpointing_kwargs"] = {"use_reentrant": False, "every_n_layers": every}
+        if s.kind in ("fsdp", "fsdp2"):
+            # FSDP's own checkpointing (fsdp_config) wraps every block: the plan's every-N needs the
+            # Trainer's, which TrainingArguments warns about (transformers issue 30404).
+            notes.append(f"checkpointing every {every} blocks under FSDP uses the Trainer's activation_checkpointing, "
+                         "and transformers warns that it re-gathers each checkpointed block in the backward (one "
+                         "redundant all-gather): plan with activation_checkpointing: full to use "
+                         "fsdp_config.activation_checkpointing instead")
     if s.is_deepspeed:
         args["deepspeed"] = deepspeed_config(plan)
     elif s.kind in ("fsdp", "fsdp2"):
@@ -67,6 +74,8 @@ def training_arguments(plan: Plan, options: EmitOptions) -> tuple[dict, list[str
             if (s.shard_group(plan.cluster.gpus_per_node) or plan.cluster.world_size) < plan.cluster.world_size:
                 notes.append("HF Trainer has no FSDP2 hybrid mesh argument: use --format accelerate (parallelism_config)")
         else:
+            notes.append("transformers 5 deprecates FSDP1 in the Trainer (TrainingArguments warns; removal announced): "
+                         "plan with strategy fsdp2 for the fsdp_config version 2 path")
             config["reshard_after_forward"] = s.sharding
             config["backward_prefetch"] = s.backward_prefetch.upper().replace("NONE", "NO_PREFETCH")
             config["use_orig_params"] = True
@@ -88,6 +97,12 @@ def emit_hf_trainer(plan: Plan, options: EmitOptions) -> Emitted:
     return Emitted(files={"training_args.json": json.dumps(args, indent=2) + "\n"}, notes=tuple(notes))
 
 
+def _fully_shard_arguments(s) -> str:
+    reshard = s.reshard_after_forward and s.sharding != "shard_grad_op"
+    offload = ", offload_policy=CPUOffloadPolicy()" if s.offload_params else ""
+    return f"fully_shard(block, mesh=..., reshard_after_forward={reshard}{offload})"
+
+
 _LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "bf16-pure": "bf16-true", "fp16": "16-mixed", "fp32": "32-true"}
 
 
@@ -96,8 +111,12 @@ def emit_lightning(plan: Plan, options: EmitOptions) -> Emitted:
     lines = [f'"""Lightning Trainer arguments written by shardfit for {plan.model.name}: {s.label}."""',
              "import lightning as L"]
     if s.is_deepspeed:
+        config = deepspeed_config(plan)
+        # Lightning sets the accumulation from Trainer(accumulate_grad_batches=...) and refuses the key
+        # in the config ("Do not set `gradient_accumulation_steps` in the DeepSpeed config") at fit.
+        del config["gradient_accumulation_steps"]
         lines += ["from lightning.pytorch.strategies import DeepSpeedStrategy", "",
-                  f"DEEPSPEED_CONFIG = {pprint.pformat(deepspeed_config(plan), sort_dicts=False)}",
+                  f"DEEPSPEED_CONFIG = {pprint.pformat(config, sort_dicts=False)}",
                   "strategy = DeepSpeedStrategy(config=DEEPSPEED_CONFIG)"]
     elif s.kind == "fsdp":
         block = s.wrap_unit or block_class(plan.model)
@@ -115,7 +134,8 @@ def emit_lightning(plan: Plan, options: EmitOptions) -> Emitted:
         group = s.shard_group(c.gpus_per_node) or c.world_size
         lines += ["from lightning.pytorch.strategies import ModelParallelStrategy", "",
                   "# FSDP2 in Lightning: apply fully_shard per block (then the root) in LightningModule.configure_model,",
-                  "# e.g. with the shard() function of `shardfit emit --format fsdp2`.",
+                  "# e.g. with the shard() function of `shardfit emit --format fsdp2`; this plan's arguments:",
+                  f"# {_fully_shard_arguments(s)}",
                   f"strategy = ModelParallelStrategy(data_parallel_size={group}, tensor_parallel_size=1)"]
     elif s.kind == "single":
         lines += ["", 'strategy = "auto"  # one device: Lightning runs SingleDeviceStrategy, no DDP wrapper']

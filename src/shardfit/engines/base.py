@@ -18,7 +18,7 @@ import torch.distributed as dist
 from shardfit import sac
 from shardfit.errors import ShardfitError
 from shardfit.modeling import block_classes
-from shardfit.runtime_env import process_group_kwargs
+from shardfit.runtime_env import local_world_size, process_group_kwargs
 from shardfit.engines.chunked_loss import install as install_chunked_loss
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
 
@@ -314,7 +314,7 @@ def hybrid_group(plan: Plan, ctx: DistContext) -> int | None:
         return None
     if s.kind == "fsdp2" and s.shard_group(0) is None:
         return None
-    group = s.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    group = s.shard_group_size or local_world_size(ctx.world_size)
     if group < 1 or ctx.world_size % group:
         raise ShardfitError(f"hybrid shard group of {group} ranks does not divide the world size {ctx.world_size}: "
                             "set strategy.shard_group_size to a divisor")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from shardfit.errors import ShardfitError
 from shardfit.estimate.lora_targets import with_default_targets
+from shardfit.runtime_env import local_world_size
 from shardfit.spec.fields import lora_section
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import parse_strategy, plan_from_dict
@@ -47,10 +48,11 @@ def default_nproc(flags: TrainFlags) -> int:
 def build_plan(flags: TrainFlags):
     """Plan file (or quick defaults) < command-line flags < the launch's real cluster shape."""
     data = plan_data(flags)
-    # The cluster is what this launch really is (torchrun's environment), not what the file says.
+    # The cluster is what this launch really is (torchrun's or the DeepSpeed launcher's environment), not
+    # what the file says.
     nproc = flags.nproc or (1 if data["strategy"].get("kind") == "single" else 2)
     world = int(os.environ.get("WORLD_SIZE", nproc * flags.nnodes))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
+    local = local_world_size(nproc)
     data["cluster"].update({"nodes": max(1, world // max(1, local)), "gpus_per_node": local})
     return plan_from_dict(data, resolve_model=load_model_spec)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from shardfit.checksums import algorithm_of, content_matches, file_entry
 from shardfit.errors import ShardfitError
+from shardfit.runtime_env import local_world_size
 
 MANIFEST = "manifest.json"
 # Folders this process verified, keyed by the manifest's identity: resume checks a checkpoint while
@@ -213,7 +214,7 @@ def spare_cores() -> bool:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return cores > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return cores > local_world_size(1)
 
 
 class Checks:
