@@ -32,6 +32,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weights", metavar="PATH",
                         help="fsdp / fsdp2: start from the pretrained safetensors in this save_pretrained folder, read "
                              "shard by shard on each rank (default: the model's own init on the meta-built model)")
+    parser.add_argument("--data", metavar="PATH",
+                        help="fsdp / fsdp2 / ddp: train on this .txt / .jsonl file or save_to_disk dataset folder "
+                             "(default: the plan's data.path; none: random tokens), as `shardfit train --data`")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="with --data: a local tokenizer folder (default: the plan's data.tokenizer; none: byte-level)")
+    parser.add_argument("--pack", action="store_true",
+                        help="with --data: pack documents into full seq_len rows instead of padded, length-grouped batches")
     parser.add_argument("--time", default="24:00:00", help="SLURM time limit (default 24:00:00)")
 
 
@@ -42,7 +49,7 @@ def run(args) -> int:
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
     options = EmitOptions(plan_path=args.plan, entry=args.entry, hosts=hosts, master_addr=args.master_addr,
                           master_port=args.master_port, time_limit=args.time,
-                          weights=args.weights)
+                          weights=args.weights, data=args.data, tokenizer=args.tokenizer, pack=args.pack)
     result = emit(plan, args.fmt, options)
     if args.output:
         target, single = output_target(args.output, result.files, args.fmt, args.force)

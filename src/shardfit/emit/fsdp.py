@@ -4,13 +4,14 @@ The script follows torchtitan's order: build the model on the meta device, LoRA,
 checkpointing, shard each block then the root, materialise the shards (the model's own init, or
 `--weights` read shard by shard: fsdp_state.py), and only then build the optimizer (an optimizer
 built before `fully_shard` holds the unsharded parameters). It checkpoints, resumes and exports
-(fsdp_state.py). Its data is a stand-in pool of random tokens so it runs anywhere; swap `batches()`.
+(fsdp_state.py). Its data is `--data` (data_code.py: `shardfit train`'s conventions) or, by default, random tokens.
 """
 from __future__ import annotations
 
 import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
+from shardfit.emit.data_code import DATA_CODE
 from shardfit.emit.fsdp_state import STATE_CODE
 from shardfit.emit.kernels import script_fields
 from shardfit.emit.optimizer_code import optimizer_code
@@ -54,22 +55,16 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     # Gradient sync on the last micro-batch only: one reduce-scatter per optimizer step instead of one per
     # micro-batch, at the cost of holding unsharded gradients until then ({no_sync_cost} per rank).
     NO_SYNC = GRAD_ACCUM > 1
+    # Data: a .txt / .jsonl file or a save_to_disk folder, tokenized by TOKENIZER (a local folder; empty =
+    # byte-level), padded per batch to its longest row, batches grouped by length; PACK=1 packs documents
+    # into full rows. Empty DATA = stand-in random tokens.
+    DATA = os.environ.get("DATA", {data})
+    TOKENIZER = os.environ.get("TOKENIZER", {tokenizer})
+    PACK = os.environ.get("PACK", "{pack}") == "1"
+    GROUP_BY_LENGTH = True
 
 
     {model_functions}{loss_code}
-
-
-    def batches(vocab, device, rank, skip):
-        # Stand-in data: a fixed pool of random sequences per rank over the first eighth of the vocabulary, so
-        # the loss visibly falls (from ln(vocab) towards ln(vocab / 8)) while it is learnt.
-        # A generator of its own per rank: different data per rank, while the global RNG (model init,
-        # dropout) stays identical on every rank. A resumed run skips the micro-batches already trained on.
-        gen = torch.Generator().manual_seed(SEED + rank)
-        pool = torch.randint(0, max(vocab // 8, 2), (8 * MICRO_BATCH, SEQ_LEN), generator=gen)
-        for _ in range(skip):
-            torch.randint(0, len(pool), (MICRO_BATCH,), generator=gen)
-        while True:
-            yield pool[torch.randint(0, len(pool), (MICRO_BATCH,), generator=gen)].to(device)
 '''
 
 _FSDP2 = '''
@@ -189,12 +184,12 @@ _MAIN = '''
             load_checkpoint(model, optimizer, resume)
             if rank == 0:
                 print(f"resumed from {{resume}} at step {{first}}", flush=True)
-        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank, first * GRAD_ACCUM)
+        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank, world, first * GRAD_ACCUM)
         start = time.perf_counter()
         for step in range(first, STEPS):
             total = 0.0
             for micro in range(GRAD_ACCUM):
-                ids = next(data)
+                batch = next(data)
                 with sync_gradients(model, last=micro == GRAD_ACCUM - 1):
                     {loss_line}
                     {backward}
@@ -245,7 +240,9 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
                   ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
                   pure=t.precision == "bf16-pure", lora=repr(lora),
-                  config=repr(config), weights=repr(options.weights or ""), ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
+                  config=repr(config), weights=repr(options.weights or ""),
+                  data=repr(options.data or plan.data.path or ""),
+                  tokenizer=repr(options.tokenizer or plan.data.tokenizer or ""), pack="1" if options.pack else "0", ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
                   save_every=0 if eight_bit else sched.save_every or sched.steps,
                   save_note=_NO_8BIT_SAVE if eight_bit else "", export_dir=repr(f"{options.out_dir}/export"),
                   no_sync_cost=f"{plan.model.n_params * _GRAD_BYTES[t.precision] / 2**30:.2f} GiB")
@@ -270,7 +267,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
                     "none": "None"}[s.backward_prefetch]
         body = _FSDP1.format(sharding=sharding, prefetch=prefetch, offload=bool(s.offload_params))
     # Templates are indented in this file (so no line here reads as a top-level import) and dedented here.
-    kernels = script_fields(plan)
+    kernels = script_fields(plan, batch="batch")
     header = textwrap.dedent(_HEADER).format(**fields, loss_code=kernels.pop("loss_code"))
     fp16 = t.precision == "fp16"
     main = textwrap.dedent(_MAIN).format(
@@ -278,7 +275,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
         scaler_setup=_FP16_SCALER if fp16 else "# bf16 / fp32: no loss scaling",
         backward="scaler.scale(loss).backward()" if fp16 else "loss.backward()",
         step_code=_FP16_STEP if fp16 else _STEP)
-    return header + textwrap.dedent(body) + STATE_CODE + main
+    return header + DATA_CODE + textwrap.dedent(body) + STATE_CODE + main
 
 
 # DCP's get_state_dict cannot flatten bitsandbytes' 8-bit optimizer state ("Boolean value of Tensor with
