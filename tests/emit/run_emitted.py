@@ -5,7 +5,7 @@ from outside it, records what the tests check; each rank prints one `REPORT {jso
   dispatcher), with an event at each forward of the wrapped model (a micro-batch starts) and after
   each optimizer step, so a test sees how many reduce-scatters each micro-batch issued.
 - rss: the process's resident memory (VmRSS) before the model is built and its peak (VmHWM) right
-  after the script's shard() + materialisation (and load_weights, when it runs) returned.
+  after the script's parallelize() + materialisation (and load_weights, when it runs) returned.
 - tied: whether the input embedding and the head share one weight after materialisation.
 """
 import importlib.util
@@ -49,7 +49,7 @@ def main() -> None:
         report["tied"] = head is not None and embedding.weight is head.weight
         roots[:] = [model]
 
-    build, shard = script.build_model, script.shard
+    build, shard = script.build_model, script.parallelize
 
     def build_model():
         report["rss_before_build"] = _status("VmRSS")
@@ -60,7 +60,7 @@ def main() -> None:
         loaded(model)
         return model
 
-    script.build_model, script.shard = build_model, traced_shard
+    script.build_model, script.parallelize = build_model, traced_shard
     if hasattr(script, "load_weights"):
         load = script.load_weights
 

@@ -13,7 +13,8 @@ from launch import test_env as launch_env, torchrun
 from run_emitted import micro_batch_counts
 from shardfit.emit import EmitOptions, emit
 from shardfit.spec.models import load_model_spec
-from shardfit.spec.plan import Cluster, Plan, Schedule, Training, parse_strategy
+from shardfit.emit.common import hf_config
+from shardfit.spec.plan import Cluster, LoRA, Plan, Schedule, Training, parse_strategy
 
 pytestmark = pytest.mark.multirank
 RUNNER = Path(__file__).with_name("run_emitted.py")
@@ -71,3 +72,44 @@ def test_fsdp2_script_trains_on_text_and_reduce_scatters_once_per_step(tmp_path)
         # No-sync accumulation: micro-batches 1-3 reduce nothing, the last one every FSDP unit once
         # (tiny-llama: embedding, 4 blocks, head, root = 7 units).
         assert all(step[:3] == [0, 0, 0] and step[3] == 7 for step in per_micro), per_micro
+
+
+@pytest.mark.slow
+def test_fsdp2_tied_head_on_the_meta_device_and_lora_adapter_export(tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plan = _plan("tiny-gpt2", "fsdp2", accum=2, seq=32, steps=3, lora=LoRA(rank=4, alpha=8, target_modules=("c_attn",)))
+    text, stdout, reports, losses = _run(tmp_path, plan, "fsdp2", EXPORT_DIR=str(tmp_path / "adapter"))
+    assert "TIED = True" in text
+    assert all(r["tied"] for r in reports.values()), reports  # still one weight after to_empty + init
+    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses), losses
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved and all("lora_" in key for key in saved)
+    assert any("lora_B" in key and value.abs().sum() > 0 for key, value in saved.items())  # trained: B left 0
+    config = {k: v for k, v in hf_config(plan.model).items() if k != "architectures"}
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert loaded and any(v.abs().sum() > 0 for v in loaded.values())
+    assert torch.equal(next(iter(loaded.values())), saved[next(k for k in saved if "lora_B" in k)])
+
+
+@pytest.mark.slow
+def test_fsdp1_tied_head_no_sync_accumulation_and_export(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    plan = _plan("tiny-gpt2", "fsdp", accum=4, seq=32, steps=2)
+    text, stdout, reports, losses = _run(tmp_path, plan, "fsdp", EXPORT_DIR=str(tmp_path / "export"))
+    assert "model.no_sync()" in text
+    assert all(r["tied"] for r in reports.values()), reports
+    for report in reports.values():
+        per_micro = micro_batch_counts(report["events"])
+        assert len(per_micro) == 2 and all(len(step) == 4 for step in per_micro), per_micro
+        assert all(step[:3] == [0, 0, 0] and step[3] > 0 for step in per_micro), per_micro
+        assert per_micro[0][3] == per_micro[1][3]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert model.lm_head.weight is model.transformer.wte.weight and torch.isfinite(model.lm_head.weight).all()

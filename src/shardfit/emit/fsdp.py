@@ -44,7 +44,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
     LORA = {lora}
     MODEL_CONFIG = {config}
-    TIED = MODEL_CONFIG.get("tie_word_embeddings", False)
+    TIED = {tied}  # the head shares the embedding's weight (the model's own default when its config is silent)
     # Pretrained weights: a save_pretrained folder of *.safetensors; empty = the model's own init.
     WEIGHTS = os.environ.get("WEIGHTS", {weights})
     # Sharded checkpoints every SAVE_EVERY steps (0 = none) in CKPT_DIR, resumed from the newest complete one;
@@ -72,7 +72,7 @@ _FSDP2 = '''
     EMBEDDING_UNITS = {separate}  # the embedding and head as FSDP units of their own (torchtitan wrapping)
 
 
-    def shard(model, device, world):
+    def parallelize(model, device, world):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import {fsdp2_imports}
         if SHARD_GROUP and SHARD_GROUP < world:
@@ -93,7 +93,8 @@ _FSDP2 = '''
         if separate:
             fully_shard(head, **{{**kwargs, "reshard_after_forward": False}})
         fully_shard(model, **kwargs)
-        # Materialise: each rank allocates only its shards on its device, then fills them.
+        # Materialise: each rank allocates only its shards on its device, then fills them. A tied head keeps
+        # sharing the embedding's weight: FSDP2 manages the one shared parameter through to_empty.
         model.to_empty(device={materialise_device})
         init_weights(model, list(model.modules()))
         return model
@@ -111,7 +112,7 @@ _FSDP2 = '''
 
 _FSDP1 = '''
 
-    def shard(model, device, world):
+    def parallelize(model, device, world):
         from torch.distributed.fsdp import (
             BackwardPrefetch,
             CPUOffload,
@@ -122,9 +123,15 @@ _FSDP1 = '''
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         block_types = {{type(m) for m in model.modules() if type(m).__name__ == BLOCK_CLASS}}
 
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+
         def materialise(module):
             module.to_empty(device=device, recurse=False)
             init_weights(model, [module])
+            if TIED and not embedding.weight.is_meta:
+                # to_empty gives the head a weight of its own: share the embedding's again (FSDP1 calls
+                # this per module of a unit, before it flattens the unit, so the last call leaves them tied).
+                head.weight = embedding.weight
         kwargs = {{}}
         if SHARD_GROUP and SHARD_GROUP < world:
             from torch.distributed.device_mesh import init_device_mesh
@@ -172,7 +179,7 @@ _MAIN = '''
             apply_activation_checkpointing(model)
         if PURE_BF16:
             model = model.to(torch.bfloat16)
-        model = shard(model, device, world)
+        model = parallelize(model, device, world)
         if WEIGHTS:
             load_weights(model, WEIGHTS)
         # The optimizer comes after sharding so it holds the sharded parameters.
@@ -240,7 +247,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
                   log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
                   ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
                   pure=t.precision == "bf16-pure", lora=repr(lora),
-                  config=repr(config), weights=repr(options.weights or ""),
+                  config=repr(config), tied=plan.model.tie_embeddings, weights=repr(options.weights or ""),
                   data=repr(options.data or plan.data.path or ""),
                   tokenizer=repr(options.tokenizer or plan.data.tokenizer or ""), pack="1" if options.pack else "0", ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
                   save_every=0 if eight_bit else sched.save_every or sched.steps,

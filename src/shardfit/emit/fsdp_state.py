@@ -109,8 +109,7 @@ def export(model, rank):
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     if LORA:
-        if rank == 0:
-            print("LoRA: no consolidated export; save the adapters with peft's save_pretrained", flush=True)
+        export_adapters(model, rank)
         return
     state = get_model_state_dict(model)
     if TIED:
@@ -128,5 +127,24 @@ def export(model, rank):
             json.dump(index, handle, indent=1)
         model.config.save_pretrained(EXPORT_DIR)
         print(f"exported {EXPORT_DIR}", flush=True)
+    dist.barrier()
+
+
+def export_adapters(model, rank):
+    # LoRA: the adapters only, as peft's save_pretrained writes them (adapter_model.safetensors +
+    # adapter_config.json), for PeftModel.from_pretrained(base_model, EXPORT_DIR). FSDP2 / DDP gather only
+    # the adapter tensors; FSDP1's sharded state dict has no per-tensor gather, so it goes through FSDP's
+    # full state dict (unit by unit into rank 0's host memory) and keeps the adapters.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    fsdp1 = type(model).__name__ == "FullyShardedDataParallel"
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=fsdp1, cpu_offload=fsdp1))
+    adapters = {}
+    for name, value in state.items():
+        if "lora_" in name:
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            adapters[name] = value.detach().cpu().clone()
+    if rank == 0:
+        getattr(model, "module", model).save_pretrained(EXPORT_DIR, state_dict=adapters)
+        print(f"exported LoRA adapters to {EXPORT_DIR}", flush=True)
     dist.barrier()
 '''
