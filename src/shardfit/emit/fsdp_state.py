@@ -135,7 +135,10 @@ def export_adapters(model, rank):
     # adapter_config.json), for PeftModel.from_pretrained(base_model, EXPORT_DIR). FSDP2 / DDP gather only
     # the adapter tensors; FSDP1's sharded state dict has no per-tensor gather, so it goes through FSDP's
     # full state dict (unit by unit into rank 0's host memory) and keeps the adapters.
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
     fsdp1 = type(model).__name__ == "FullyShardedDataParallel"
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=fsdp1, cpu_offload=fsdp1))
     adapters = {}
