@@ -47,3 +47,4 @@ def test_fsdp1_script_trains_with_lora_and_checkpointing(tmp_path):
     assert "ModuleWrapPolicy" in text and "device_id=device" in text and "ShardingStrategy.FULL_SHARD" in text
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
     assert set(checksums) == {0, 1}  # each rank reports its shard
+    assert (tmp_path / "out" / "export" / "adapter_model.safetensors").is_file()  # peft's adapter export

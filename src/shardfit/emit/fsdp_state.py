@@ -134,13 +134,16 @@ def export_adapters(model, rank):
     # LoRA: the adapters only, as peft's save_pretrained writes them (adapter_model.safetensors +
     # adapter_config.json), for PeftModel.from_pretrained(base_model, EXPORT_DIR). FSDP2 / DDP gather only
     # the adapter tensors; FSDP1's sharded state dict has no per-tensor gather, so it goes through FSDP's
-    # full state dict (unit by unit into rank 0's host memory) and keeps the adapters.
+    # full state dict (unit by unit; on GPUs into rank 0's host memory) and keeps the adapters. NOTE: on CPU
+    # (gloo) FSDP1's cpu_offload full state dict crashed rank 0 (SIGSEGV, torch 2.13), and the device is host
+    # memory there anyway, so it offloads on GPUs only.
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
     )
     fsdp1 = type(model).__name__ == "FullyShardedDataParallel"
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=fsdp1, cpu_offload=fsdp1))
+    options = StateDictOptions(full_state_dict=fsdp1, cpu_offload=fsdp1 and torch.cuda.is_available())
+    state = get_model_state_dict(model, options=options)
     adapters = {}
     for name, value in state.items():
         if "lora_" in name:
