@@ -45,7 +45,8 @@ def main() -> None:
 
     def loaded(model):
         report["peak_after_load"] = _status("VmHWM")
-        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        inner = getattr(model, "module", model)  # DDP's and FSDP1's wrapped model; FSDP2 wraps in place
+        embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
         report["tied"] = head is not None and embedding.weight is head.weight
         roots[:] = [model]
 
@@ -66,7 +67,8 @@ def main() -> None:
 
         def traced_load(model, path):
             load(model, path)
-            loaded(roots[0])
+            if roots:  # FSDP: loaded into the sharded model (DDP loads before wrapping)
+                loaded(roots[0])
         script.load_weights = traced_load
     torch.nn.modules.module.register_module_forward_pre_hook(on_forward)
     register_optimizer_step_post_hook(lambda *_: mark("step"))

@@ -17,7 +17,8 @@ CASES = [("fsdp2", "fsdp2", {}), ("fsdp2", "fsdp2", {"precision": "fp16", "loss"
          ("fsdp2+offload", "fsdp2", {"activation_checkpointing": "selective"}),
          ("fsdp", "fsdp", {"lora": LoRA(rank=4, alpha=8)}), ("fsdp", "fsdp", {"precision": "fp16"}),
          ("fsdp2", "fsdp2", {"precision": "bf16-pure", "optimizer": "adamw8bit"}),
-         ("zero3", "fsdp2", {}), ("single", "single", {"activation_checkpointing": "full"})]
+         ("zero3", "fsdp2", {}), ("single", "single", {"activation_checkpointing": "full"}),
+         ("ddp", "ddp", {}), ("ddp", "ddp", {"precision": "fp16", "lora": LoRA(rank=4, alpha=8), "loss": "chunked"})]
 
 
 def _scripts():

@@ -137,3 +137,28 @@ def test_meta_device_load_stays_below_one_unsharded_fp32_copy_of_host_ram(tmp_pa
         # Each rank materialises its half (measured: about 1.3 x that half, allocator slack included): below one
         # unsharded copy, which building the model on the CPU first would add on top of the shard.
         assert 0 < grown < copy, (grown, copy)
+
+
+@pytest.mark.slow
+def test_ddp_script_trains_on_text_all_reduces_once_per_step_resumes_and_exports(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    # tiny-gpt2: a tied head; the shipped corpus through the byte-level tokenizer (no TOKENIZER).
+    plan = _plan("tiny-gpt2", "ddp", accum=4, seq=48, steps=4)
+    env = dict(CKPT_DIR=str(tmp_path / "ckpt"), EXPORT_DIR=str(tmp_path / "export"), SAVE_EVERY="2")
+    text, _, reports, first = _run(tmp_path, plan, "ddp", EmitOptions(data=CORPUS), STEPS="2", **env)
+    assert "DistributedDataParallel" in text and "model.no_sync()" in text and 'with torch.device("meta")' in text
+    assert all(r["tied"] for r in reports.values()), reports
+    for report in reports.values():
+        per_micro = micro_batch_counts(report["events"], index=2)  # all-reduces
+        assert len(per_micro) == 2 and all(len(step) == 4 for step in per_micro), per_micro
+        # no_sync on micro-batches 1-3; the last one all-reduces the gradient buckets (and clipping adds none).
+        assert all(step[:3] == [0, 0, 0] and step[3] > 0 for step in per_micro), per_micro
+    _, stdout, _, second = _run(tmp_path, plan, "ddp", EmitOptions(data=CORPUS), **env)
+    assert "at step 2" in stdout and len(first) == 2 and len(second) == 2, stdout[-2000:]
+    losses = first + second
+    assert all(0 < loss < 20 for loss in losses) and losses[-1] < losses[0], losses
+    assert (tmp_path / "ckpt" / "step-4" / ".metadata").exists()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert model.lm_head.weight is model.transformer.wte.weight and torch.isfinite(model.lm_head.weight).all()

@@ -10,7 +10,7 @@ from shardfit.emit import EmitOptions, emit, write_files
 from shardfit.errors import ShardfitError
 from shardfit.spec.planfile import load_plan
 
-FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 / single (runnable script), lightning "
+FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 / ddp / single (runnable script), lightning "
                "(strategy args), hf-trainer (TrainingArguments JSON), torchrun (launch script), deepspeed-launcher "
                "(two files: run_deepspeed.sh + hostfile), slurm (sbatch script)")
 OUTPUT_HELP = ("where to write (default: print to stdout). One-file formats: PATH is the file to write (replaced if it "
@@ -30,7 +30,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--master-addr", default="$MASTER_ADDR", dest="master_addr")
     parser.add_argument("--master-port", type=int, default=29500, dest="master_port")
     parser.add_argument("--weights", metavar="PATH",
-                        help="fsdp / fsdp2: start from the pretrained safetensors in this save_pretrained folder, read "
+                        help="fsdp / fsdp2 / ddp: start from the pretrained safetensors in this save_pretrained folder, read "
                              "shard by shard on each rank (default: the model's own init on the meta-built model)")
     parser.add_argument("--data", metavar="PATH",
                         help="fsdp / fsdp2 / ddp: train on this .txt / .jsonl file or save_to_disk dataset folder "

@@ -239,19 +239,9 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
     group = s.shard_group(c.gpus_per_node)
     if version == 1 and group == 1 and c.world_size > 1:
         raise ShardfitError("FSDP1 hybrid shard with a shard group of 1 never syncs replicas: use --format fsdp2")
-    eight_bit = t.optimizer == "adamw8bit"
-    fields = dict(kind="FSDP1" if version == 1 else "FSDP2", fmt="fsdp" if version == 1 else "fsdp2",
-                  model=plan.model.name, label=s.label, nodes=c.nodes, gpus=c.gpus_per_node, world=c.world_size,
-                  micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
-                  steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
-                  log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
-                  ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
-                  pure=t.precision == "bf16-pure", lora=repr(lora),
-                  config=repr(config), tied=plan.model.tie_embeddings, weights=repr(options.weights or ""),
-                  data=repr(options.data or plan.data.path or ""),
-                  tokenizer=repr(options.tokenizer or plan.data.tokenizer or ""), pack="1" if options.pack else "0", ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
-                  save_every=0 if eight_bit else sched.save_every or sched.steps,
-                  save_note=_NO_8BIT_SAVE if eight_bit else "", export_dir=repr(f"{options.out_dir}/export"),
+    fields = dict(run_fields(plan, options, config, lora), kind="FSDP1" if version == 1 else "FSDP2",
+                  fmt="fsdp" if version == 1 else "fsdp2", group=group, dtype=_DTYPES[t.precision],
+                  pure=t.precision == "bf16-pure",
                   no_sync_cost=f"{plan.model.n_params * _GRAD_BYTES[t.precision] / 2**30:.2f} GiB")
     if version == 2:
         offload = bool(s.offload_params)
@@ -283,6 +273,23 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
         backward="scaler.scale(loss).backward()" if fp16 else "loss.backward()",
         step_code=_FP16_STEP if fp16 else _STEP)
     return header + DATA_CODE + textwrap.dedent(body) + STATE_CODE + main
+
+
+def run_fields(plan: Plan, options: EmitOptions, config: dict, lora: dict | None) -> dict:
+    """Template fields every multi-rank training script (FSDP1, FSDP2, DDP) shares: shapes, schedule,
+    model, weights, data, checkpoints and export."""
+    s, t, c, sched = plan.strategy, plan.training, plan.cluster, plan.schedule
+    eight_bit = t.optimizer == "adamw8bit"
+    return dict(model=plan.model.name, label=s.label, nodes=c.nodes, gpus=c.gpus_per_node, world=c.world_size,
+                micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
+                steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
+                log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
+                ac_every=ac_every(plan), model_functions=model_functions(plan), lora=repr(lora),
+                config=repr(config), tied=plan.model.tie_embeddings, weights=repr(options.weights or ""),
+                data=repr(options.data or plan.data.path or ""),
+                tokenizer=repr(options.tokenizer or plan.data.tokenizer or ""), pack="1" if options.pack else "0",
+                ckpt_dir=repr(f"{options.out_dir}/checkpoints"), save_every=0 if eight_bit else sched.save_every or sched.steps,
+                save_note=_NO_8BIT_SAVE if eight_bit else "", export_dir=repr(f"{options.out_dir}/export"))
 
 
 # DCP's get_state_dict cannot flatten bitsandbytes' 8-bit optimizer state ("Boolean value of Tensor with

@@ -154,3 +154,11 @@ def export_adapters(model, rank):
         print(f"exported LoRA adapters to {EXPORT_DIR}", flush=True)
     dist.barrier()
 '''
+
+
+def state_functions(*names: str) -> str:
+    """The named functions of STATE_CODE, in its order (the DDP script shares all but the FSDP export)."""
+    blocks = ("\n" + STATE_CODE).split("\n\n\ndef ")
+    chosen = [block for block in blocks[1:] if block.split("(", 1)[0] in names]
+    assert len(chosen) == len(names), names
+    return "".join("\n\n\ndef " + block.rstrip("\n") for block in chosen) + "\n"
