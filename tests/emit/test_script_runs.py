@@ -66,6 +66,7 @@ def test_fsdp2_script_trains_on_text_and_reduce_scatters_once_per_step(tmp_path)
     # Real text through a 300-token BPE: the loss starts near ln(320) and falls.
     assert len(losses) == 5 and all(0 < loss < 20 for loss in losses), losses
     assert losses[-1] < losses[0] - 0.5, losses
+    print("fsdp2 text losses", losses)
     for report in reports.values():
         per_micro = micro_batch_counts(report["events"])
         assert len(per_micro) == 5 and all(len(step) == 4 for step in per_micro), per_micro
@@ -159,6 +160,7 @@ def test_ddp_script_trains_on_text_all_reduces_once_per_step_resumes_and_exports
     assert "at step 2" in stdout and len(first) == 2 and len(second) == 2, stdout[-2000:]
     losses = first + second
     assert all(0 < loss < 20 for loss in losses) and losses[-1] < losses[0], losses
+    print("ddp text losses", losses)
     assert (tmp_path / "ckpt" / "step-4" / ".metadata").exists()
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     assert model.lm_head.weight is model.transformer.wte.weight and torch.isfinite(model.lm_head.weight).all()

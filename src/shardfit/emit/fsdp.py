@@ -311,7 +311,7 @@ def _check_kind(plan: Plan, version: int) -> list[str]:
         return []
     if kind == "zero3":
         return [f"the plan says {kind}; the FSDP{version} equivalent (full shard) is written instead"]
-    other = "single" if kind == "single" else "deepspeed or torchrun"
+    other = {"single": "single", "ddp": "ddp"}.get(kind, "deepspeed or torchrun")
     raise ShardfitError(f"the plan's strategy is {plan.strategy.label}: FSDP scripts are for fsdp/fsdp2/zero3 plans; "
                         f"use --format {other}")
 
