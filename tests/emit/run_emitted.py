@@ -1,5 +1,5 @@
 """Run under torchrun: `run_emitted.py SCRIPT` runs an emitted training script's main() unchanged and,
-from outside it, records what the tests check; each rank prints one `REPORT {json}` line at the end.
+from outside it, records what the tests check; each rank writes REPORT_DIR/report-RANK.json at the end.
 
 - comm: every collective, counted as `shardfit bench` counts it (bench/comm.py's CommCounter at the
   dispatcher), with an event at each forward of the wrapped model (a micro-batch starts) and after
@@ -10,6 +10,7 @@ from outside it, records what the tests check; each rank prints one `REPORT {jso
 """
 import importlib.util
 import json
+import os
 import sys
 
 import torch
@@ -72,10 +73,12 @@ def main() -> None:
         script.load_weights = traced_load
     torch.nn.modules.module.register_module_forward_pre_hook(on_forward)
     register_optimizer_step_post_hook(lambda *_: mark("step"))
-    rank = int(__import__("os").environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
     with counter:
         script.main()
-    print("REPORT " + json.dumps({"rank": rank, **report}), flush=True)
+    # A file per rank: two ranks printing at once can interleave on one stdout line.
+    with open(os.path.join(os.environ["REPORT_DIR"], f"report-{rank}.json"), "w") as handle:
+        json.dump({"rank": rank, **report}, handle)
 
 
 def micro_batch_counts(events: list, index: int = 1) -> list[list[int]]:

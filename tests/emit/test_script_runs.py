@@ -33,10 +33,13 @@ def _run(tmp_path, plan, fmt, options=None, **env):
     name, text = next(iter(emit(plan, fmt, options or EmitOptions()).files.items()))
     script = tmp_path / name
     script.write_text(text)
-    env = {"SAVE_EVERY": "0", "EXPORT_DIR": "", **env}
+    reports_dir = tmp_path / "reports"
+    reports_dir.mkdir(exist_ok=True)
+    for old in reports_dir.iterdir():
+        old.unlink()
+    env = {"SAVE_EVERY": "0", "EXPORT_DIR": "", "REPORT_DIR": str(reports_dir), **env}
     done = torchrun([str(RUNNER), str(script)], nproc=2, timeout=300, env=launch_env(**env), cwd=tmp_path)
-    reports = {r["rank"]: r for r in (json.loads(line[7:]) for line in done.stdout.splitlines()
-                                      if line.startswith("REPORT "))}
+    reports = {r["rank"]: r for r in (json.loads(p.read_text()) for p in sorted(reports_dir.glob("report-*.json")))}
     assert set(reports) == {0, 1}, done.stdout[-3000:]
     losses = [float(loss) for _, loss in LOSS.findall(done.stdout)]
     return text, done.stdout, reports, losses
