@@ -168,8 +168,16 @@ def test_wrong_format_for_the_strategy_is_one_clear_error():
         emit(make("ddp"), "xml")
     with pytest.raises(ShardfitError, match="hosts"):
         emit(make("ddp", nodes=2, gpus=2), "deepspeed-launcher", EmitOptions(hosts=("a",)))
-    assert set(FORMATS) == {"deepspeed", "accelerate", "fsdp", "fsdp2", "single", "lightning", "hf-trainer",
+    assert set(FORMATS) == {"deepspeed", "accelerate", "fsdp", "fsdp2", "ddp", "single", "lightning", "hf-trainer",
                             "torchrun", "deepspeed-launcher", "slurm"}
+
+
+def test_ddp_script_is_for_ddp_plans_only():
+    assert "DistributedDataParallel" in emit(make("ddp"), "ddp").main
+    with pytest.raises(ShardfitError, match="--format fsdp2"):
+        emit(make("fsdp2"), "ddp")
+    with pytest.raises(ShardfitError, match="--format single"):
+        emit(make("single", gpus=1), "ddp")
 
 
 def test_fsdp_scripts_never_emit_fsdp1_hybrid_with_shard_group_of_one():

@@ -1,4 +1,4 @@
-"""The emitted FSDP1 / FSDP2 scripts run for real: 2 ranks, gloo on CPU, a tiny Llama."""
+"""The emitted FSDP1 / FSDP2 / DDP scripts run for real: 2 ranks, gloo on CPU, a tiny Llama."""
 import re
 
 import pytest
@@ -47,3 +47,13 @@ def test_fsdp1_script_trains_with_lora_and_checkpointing(tmp_path):
     assert "ModuleWrapPolicy" in text and "device_id=device" in text and "ShardingStrategy.FULL_SHARD" in text
     assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
     assert set(checksums) == {0, 1}  # each rank reports its shard
+    assert (tmp_path / "out" / "export" / "adapter_model.safetensors").is_file()  # peft's adapter export
+
+
+def test_ddp_script_trains_with_lora_replicas_agree_and_exports_adapters(tmp_path):
+    plan = _plan("ddp", nodes=1, gpus=2, precision="bf16", ac="every-2", lora=LoRA(rank=4, alpha=8))
+    text, losses, checksums = _run(tmp_path, plan, "ddp")
+    assert "DistributedDataParallel" in text and "torch.autocast" in text
+    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses)
+    assert set(checksums) == {0, 1} and checksums[0] == pytest.approx(checksums[1], rel=1e-6, abs=1e-6)
+    assert (tmp_path / "out" / "export" / "adapter_model.safetensors").is_file()

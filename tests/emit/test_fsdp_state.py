@@ -1,4 +1,4 @@
-"""The emitted FSDP2 / FSDP1 scripts' weights and state, run for real on 2 gloo ranks: meta-device build
+"""The emitted FSDP2 / FSDP1 (and DDP) scripts' weights and state, run for real on 2 gloo ranks: meta-device build
 with the model's own init, pretrained safetensors read shard by shard, sharded checkpoints that survive
 a kill, and an export that from_pretrained loads."""
 import os
@@ -101,7 +101,7 @@ def test_fsdp2_script_resumes_after_a_kill_and_exports_for_from_pretrained(tmp_p
     assert not (tmp_path / "export" / "sharded").exists()
 
 
-@pytest.mark.parametrize("fmt", ["fsdp2", "fsdp"])
+@pytest.mark.parametrize("fmt", ["fsdp2", "fsdp", "ddp"])
 def test_script_loads_pretrained_weights_shard_by_shard(tmp_path, fmt):
     import torch
     from safetensors.torch import load_file

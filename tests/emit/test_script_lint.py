@@ -17,7 +17,8 @@ CASES = [("fsdp2", "fsdp2", {}), ("fsdp2", "fsdp2", {"precision": "fp16", "loss"
          ("fsdp2+offload", "fsdp2", {"activation_checkpointing": "selective"}),
          ("fsdp", "fsdp", {"lora": LoRA(rank=4, alpha=8)}), ("fsdp", "fsdp", {"precision": "fp16"}),
          ("fsdp2", "fsdp2", {"precision": "bf16-pure", "optimizer": "adamw8bit"}),
-         ("zero3", "fsdp2", {}), ("single", "single", {"activation_checkpointing": "full"})]
+         ("zero3", "fsdp2", {}), ("single", "single", {"activation_checkpointing": "full"}),
+         ("ddp", "ddp", {}), ("ddp", "ddp", {"precision": "fp16", "lora": LoRA(rank=4, alpha=8), "loss": "chunked"})]
 
 
 def _scripts():
@@ -78,3 +79,18 @@ def test_cli_weights_option_reaches_the_fsdp2_script(tmp_path, capsys):
     assert 'WEIGHTS = os.environ.get("WEIGHTS", \'/models/tiny\')' in text
     assert main(["emit", str(path), "--format", "fsdp2"]) == 0
     assert 'WEIGHTS = os.environ.get("WEIGHTS", \'\')' in capsys.readouterr().out
+
+
+def test_cli_data_options_reach_the_scripts(tmp_path, capsys):
+    from shardfit.cli import main
+    from shardfit.spec.planfile import dump_plan
+
+    plan = Plan(model=TINY, strategy=parse_strategy("ddp"), cluster=Cluster(gpus_per_node=2))
+    path = dump_plan(plan, tmp_path / "plan.yaml")
+    assert main(["emit", str(path), "--format", "ddp", "--data", "docs.jsonl", "--tokenizer", "/tok", "--pack"]) == 0
+    text = capsys.readouterr().out
+    assert "DATA = os.environ.get(\"DATA\", 'docs.jsonl')" in text and "'/tok')" in text
+    assert 'PACK = os.environ.get("PACK", "1") == "1"' in text
+    assert main(["emit", str(path), "--format", "ddp"]) == 0
+    text = capsys.readouterr().out
+    assert "DATA = os.environ.get(\"DATA\", '')" in text and 'os.environ.get("PACK", "0")' in text

@@ -10,7 +10,7 @@ from shardfit.emit import EmitOptions, emit, write_files
 from shardfit.errors import ShardfitError
 from shardfit.spec.planfile import load_plan
 
-FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 / single (runnable script), lightning "
+FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 / ddp / single (runnable script), lightning "
                "(strategy args), hf-trainer (TrainingArguments JSON), torchrun (launch script), deepspeed-launcher "
                "(two files: run_deepspeed.sh + hostfile), slurm (sbatch script)")
 OUTPUT_HELP = ("where to write (default: print to stdout). One-file formats: PATH is the file to write (replaced if it "
@@ -30,8 +30,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--master-addr", default="$MASTER_ADDR", dest="master_addr")
     parser.add_argument("--master-port", type=int, default=29500, dest="master_port")
     parser.add_argument("--weights", metavar="PATH",
-                        help="fsdp / fsdp2: start from the pretrained safetensors in this save_pretrained folder, read "
+                        help="fsdp / fsdp2 / ddp: start from the pretrained safetensors in this save_pretrained folder, read "
                              "shard by shard on each rank (default: the model's own init on the meta-built model)")
+    parser.add_argument("--data", metavar="PATH",
+                        help="fsdp / fsdp2 / ddp: train on this .txt / .jsonl file or save_to_disk dataset folder "
+                             "(default: the plan's data.path; none: random tokens), as `shardfit train --data`")
+    parser.add_argument("--tokenizer", metavar="DIR",
+                        help="with --data: a local tokenizer folder (default: the plan's data.tokenizer; none: byte-level)")
+    parser.add_argument("--pack", action="store_true",
+                        help="with --data: pack documents into full seq_len rows instead of padded, length-grouped batches")
     parser.add_argument("--time", default="24:00:00", help="SLURM time limit (default 24:00:00)")
 
 
@@ -42,7 +49,7 @@ def run(args) -> int:
     hosts = tuple(h.strip() for h in args.hosts.split(",") if h.strip()) if args.hosts else ()
     options = EmitOptions(plan_path=args.plan, entry=args.entry, hosts=hosts, master_addr=args.master_addr,
                           master_port=args.master_port, time_limit=args.time,
-                          weights=args.weights)
+                          weights=args.weights, data=args.data, tokenizer=args.tokenizer, pack=args.pack)
     result = emit(plan, args.fmt, options)
     if args.output:
         target, single = output_target(args.output, result.files, args.fmt, args.force)

@@ -8,6 +8,7 @@ from functools import partial
 
 from shardfit.emit.accelerate import emit_accelerate
 from shardfit.emit.common import Emitted, EmitOptions, write_files
+from shardfit.emit.ddp import emit_ddp
 from shardfit.emit.deepspeed import emit_deepspeed
 from shardfit.emit.fsdp import emit_fsdp
 from shardfit.emit.launch import emit_deepspeed_launcher, emit_slurm, emit_torchrun
@@ -23,6 +24,7 @@ FORMATS = {
     "accelerate": emit_accelerate,
     "fsdp": partial(emit_fsdp, version=1),
     "fsdp2": partial(emit_fsdp, version=2),
+    "ddp": emit_ddp,
     "single": emit_single,
     "lightning": emit_lightning,
     "hf-trainer": emit_hf_trainer,

@@ -24,6 +24,10 @@ class EmitOptions:
     time_limit: str = "24:00:00"  # SLURM
     out_dir: str = "out"
     weights: str | None = None  # FSDP scripts: a save_pretrained folder of safetensors to start from
+    # Training scripts' data (None: the plan's data section; no data there: random tokens).
+    data: str | None = None  # .txt / .jsonl file or an HF dataset folder (save_to_disk)
+    tokenizer: str | None = None  # a local tokenizer folder; None: byte-level
+    pack: bool = False  # documents packed into full SEQ_LEN rows instead of padded batches
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,13 +4,14 @@ The script follows torchtitan's order: build the model on the meta device, LoRA,
 checkpointing, shard each block then the root, materialise the shards (the model's own init, or
 `--weights` read shard by shard: fsdp_state.py), and only then build the optimizer (an optimizer
 built before `fully_shard` holds the unsharded parameters). It checkpoints, resumes and exports
-(fsdp_state.py). Its data is a stand-in pool of random tokens so it runs anywhere; swap `batches()`.
+(fsdp_state.py). Its data is `--data` (data_code.py: `shardfit train`'s conventions) or, by default, random tokens.
 """
 from __future__ import annotations
 
 import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
+from shardfit.emit.data_code import DATA_CODE
 from shardfit.emit.fsdp_state import STATE_CODE
 from shardfit.emit.kernels import script_fields
 from shardfit.emit.optimizer_code import optimizer_code
@@ -44,7 +45,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
     LORA = {lora}
     MODEL_CONFIG = {config}
-    TIED = MODEL_CONFIG.get("tie_word_embeddings", False)
+    TIED = {tied}  # the head shares the embedding's weight (the model's own default when its config is silent)
     # Pretrained weights: a save_pretrained folder of *.safetensors; empty = the model's own init.
     WEIGHTS = os.environ.get("WEIGHTS", {weights})
     # Sharded checkpoints every SAVE_EVERY steps (0 = none) in CKPT_DIR, resumed from the newest complete one;
@@ -55,22 +56,16 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     # Gradient sync on the last micro-batch only: one reduce-scatter per optimizer step instead of one per
     # micro-batch, at the cost of holding unsharded gradients until then ({no_sync_cost} per rank).
     NO_SYNC = GRAD_ACCUM > 1
+    # Data: a .txt / .jsonl file or a save_to_disk folder, tokenized by TOKENIZER (a local folder; empty =
+    # byte-level), padded per batch to its longest row, batches grouped by length; PACK=1 packs documents
+    # into full rows. Empty DATA = stand-in random tokens.
+    DATA = os.environ.get("DATA", {data})
+    TOKENIZER = os.environ.get("TOKENIZER", {tokenizer})
+    PACK = os.environ.get("PACK", "{pack}") == "1"
+    GROUP_BY_LENGTH = True
 
 
     {model_functions}{loss_code}
-
-
-    def batches(vocab, device, rank, skip):
-        # Stand-in data: a fixed pool of random sequences per rank over the first eighth of the vocabulary, so
-        # the loss visibly falls (from ln(vocab) towards ln(vocab / 8)) while it is learnt.
-        # A generator of its own per rank: different data per rank, while the global RNG (model init,
-        # dropout) stays identical on every rank. A resumed run skips the micro-batches already trained on.
-        gen = torch.Generator().manual_seed(SEED + rank)
-        pool = torch.randint(0, max(vocab // 8, 2), (8 * MICRO_BATCH, SEQ_LEN), generator=gen)
-        for _ in range(skip):
-            torch.randint(0, len(pool), (MICRO_BATCH,), generator=gen)
-        while True:
-            yield pool[torch.randint(0, len(pool), (MICRO_BATCH,), generator=gen)].to(device)
 '''
 
 _FSDP2 = '''
@@ -78,7 +73,7 @@ _FSDP2 = '''
     EMBEDDING_UNITS = {separate}  # the embedding and head as FSDP units of their own (torchtitan wrapping)
 
 
-    def shard(model, device, world):
+    def parallelize(model, device, world):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import {fsdp2_imports}
         if TP > 1:
@@ -104,7 +99,8 @@ _FSDP2 = '''
         if separate:
             fully_shard(head, **{{**kwargs, "reshard_after_forward": False}})
         fully_shard(model, **kwargs)
-        # Materialise: each rank allocates only its shards on its device, then fills them.
+        # Materialise: each rank allocates only its shards on its device, then fills them. A tied head keeps
+        # sharing the embedding's weight: FSDP2 manages the one shared parameter through to_empty.
         model.to_empty(device={materialise_device})
         init_weights(model, list(model.modules()))
         return model
@@ -157,7 +153,7 @@ _FSDP2 = '''
 
 _FSDP1 = '''
 
-    def shard(model, device, world):
+    def parallelize(model, device, world):
         from torch.distributed.fsdp import (
             BackwardPrefetch,
             CPUOffload,
@@ -168,9 +164,15 @@ _FSDP1 = '''
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
         block_types = {{type(m) for m in model.modules() if type(m).__name__ == BLOCK_CLASS}}
 
+        embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+
         def materialise(module):
             module.to_empty(device=device, recurse=False)
             init_weights(model, [module])
+            if TIED and not embedding.weight.is_meta:
+                # to_empty gives the head a weight of its own: share the embedding's again (FSDP1 calls
+                # this per module of a unit, before it flattens the unit, so the last call leaves them tied).
+                head.weight = embedding.weight
         kwargs = {{}}
         if SHARD_GROUP and SHARD_GROUP < world:
             from torch.distributed.device_mesh import init_device_mesh
@@ -218,7 +220,7 @@ _MAIN = '''
             apply_activation_checkpointing(model)
         if PURE_BF16:
             model = model.to(torch.bfloat16)
-        model = shard(model, device, world)
+        model = parallelize(model, device, world)
         if WEIGHTS:
             load_weights(model, WEIGHTS)
         # The optimizer comes after sharding so it holds the sharded parameters.
@@ -231,12 +233,12 @@ _MAIN = '''
             if rank == 0:
                 print(f"resumed from {{resume}} at step {{first}}", flush=True)
         # The ranks of one TP group read the same batch: data comes per data-parallel rank.
-        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank // TP, first * GRAD_ACCUM)
+        data = batches(MODEL_CONFIG.get("vocab_size", 32000), device, rank // TP, world // TP, first * GRAD_ACCUM)
         start = time.perf_counter()
         for step in range(first, STEPS):
             total = 0.0
             for micro in range(GRAD_ACCUM):
-                ids = next(data)
+                batch = next(data)
                 with sync_gradients(model, last=micro == GRAD_ACCUM - 1):
                     {loss_line}
                     {backward}
@@ -279,18 +281,9 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
     group = s.shard_group(c.gpus_per_node)
     if version == 1 and group == 1 and c.world_size > 1:
         raise ShardfitError("FSDP1 hybrid shard with a shard group of 1 never syncs replicas: use --format fsdp2")
-    eight_bit = t.optimizer == "adamw8bit"
-    fields = dict(kind="FSDP1" if version == 1 else "FSDP2", fmt="fsdp" if version == 1 else "fsdp2",
-                  model=plan.model.name, label=s.label, nodes=c.nodes, gpus=c.gpus_per_node, world=c.world_size,
-                  micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
-                  steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
-                  log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
-                  ac_every=ac_every(plan), model_functions=model_functions(plan), group=group, dtype=_DTYPES[t.precision],
-                  tp=plan.parallelism.tp,
-                  pure=t.precision == "bf16-pure", lora=repr(lora),
-                  config=repr(config), weights=repr(options.weights or ""), ckpt_dir=repr(f"{options.out_dir}/checkpoints"),
-                  save_every=0 if eight_bit else sched.save_every or sched.steps,
-                  save_note=_NO_8BIT_SAVE if eight_bit else "", export_dir=repr(f"{options.out_dir}/export"),
+    fields = dict(run_fields(plan, options, config, lora), kind="FSDP1" if version == 1 else "FSDP2",
+                  fmt="fsdp" if version == 1 else "fsdp2", group=group, dtype=_DTYPES[t.precision],
+                  pure=t.precision == "bf16-pure", tp=plan.parallelism.tp,
                   no_sync_cost=f"{plan.model.n_params * _GRAD_BYTES[t.precision] / 2**30:.2f} GiB")
     if version == 2:
         offload = bool(s.offload_params)
@@ -313,7 +306,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
                     "none": "None"}[s.backward_prefetch]
         body = _FSDP1.format(sharding=sharding, prefetch=prefetch, offload=bool(s.offload_params))
     # Templates are indented in this file (so no line here reads as a top-level import) and dedented here.
-    kernels = script_fields(plan)
+    kernels = script_fields(plan, batch="batch")
     header = textwrap.dedent(_HEADER).format(**fields, loss_code=kernels.pop("loss_code"))
     fp16 = t.precision == "fp16"
     main = textwrap.dedent(_MAIN).format(
@@ -321,7 +314,24 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
         scaler_setup=_FP16_SCALER if fp16 else "# bf16 / fp32: no loss scaling",
         backward="scaler.scale(loss).backward()" if fp16 else "loss.backward()",
         step_code=_FP16_STEP if fp16 else _STEP)
-    return header + textwrap.dedent(body) + STATE_CODE + main
+    return header + DATA_CODE + textwrap.dedent(body) + STATE_CODE + main
+
+
+def run_fields(plan: Plan, options: EmitOptions, config: dict, lora: dict | None) -> dict:
+    """Template fields every multi-rank training script (FSDP1, FSDP2, DDP) shares: shapes, schedule,
+    model, weights, data, checkpoints and export."""
+    s, t, c, sched = plan.strategy, plan.training, plan.cluster, plan.schedule
+    eight_bit = t.optimizer == "adamw8bit"
+    return dict(model=plan.model.name, label=s.label, nodes=c.nodes, gpus=c.gpus_per_node, world=c.world_size,
+                micro=t.micro_batch, accum=t.grad_accum, global_batch=plan.global_batch, seq=t.seq_len,
+                steps=sched.steps, lr=sched.lr, wd=sched.weight_decay, clip=sched.grad_clip, seed=sched.seed,
+                log_every=max(sched.log_every, 1), block=s.wrap_unit or block_class(plan.model),
+                ac_every=ac_every(plan), model_functions=model_functions(plan), lora=repr(lora),
+                config=repr(config), tied=plan.model.tie_embeddings, weights=repr(options.weights or ""),
+                data=repr(options.data or plan.data.path or ""),
+                tokenizer=repr(options.tokenizer or plan.data.tokenizer or ""), pack="1" if options.pack else "0",
+                ckpt_dir=repr(f"{options.out_dir}/checkpoints"), save_every=0 if eight_bit else sched.save_every or sched.steps,
+                save_note=_NO_8BIT_SAVE if eight_bit else "", export_dir=repr(f"{options.out_dir}/export"))
 
 
 # DCP's get_state_dict cannot flatten bitsandbytes' 8-bit optimizer state ("Boolean value of Tensor with
@@ -343,7 +353,7 @@ def _check_kind(plan: Plan, version: int) -> list[str]:
         return []
     if kind == "zero3":
         return [f"the plan says {kind}; the FSDP{version} equivalent (full shard) is written instead"]
-    other = "single" if kind == "single" else "deepspeed or torchrun"
+    other = {"single": "single", "ddp": "ddp"}.get(kind, "deepspeed or torchrun")
     raise ShardfitError(f"the plan's strategy is {plan.strategy.label}: FSDP scripts are for fsdp/fsdp2/zero3 plans; "
                         f"use --format {other}")
 

@@ -109,8 +109,7 @@ def export(model, rank):
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     if LORA:
-        if rank == 0:
-            print("LoRA: no consolidated export; save the adapters with peft's save_pretrained", flush=True)
+        export_adapters(model, rank)
         return
     state = get_model_state_dict(model)
     if TIED:
@@ -129,4 +128,37 @@ def export(model, rank):
         model.config.save_pretrained(EXPORT_DIR)
         print(f"exported {EXPORT_DIR}", flush=True)
     dist.barrier()
+
+
+def export_adapters(model, rank):
+    # LoRA: the adapters only, as peft's save_pretrained writes them (adapter_model.safetensors +
+    # adapter_config.json), for PeftModel.from_pretrained(base_model, EXPORT_DIR). FSDP2 / DDP gather only
+    # the adapter tensors; FSDP1's sharded state dict has no per-tensor gather, so it goes through FSDP's
+    # full state dict (unit by unit; on GPUs into rank 0's host memory) and keeps the adapters. NOTE: on CPU
+    # (gloo) FSDP1's cpu_offload full state dict crashed rank 0 (SIGSEGV, torch 2.13), and the device is host
+    # memory there anyway, so it offloads on GPUs only.
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
+    fsdp1 = type(model).__name__ == "FullyShardedDataParallel"
+    options = StateDictOptions(full_state_dict=fsdp1, cpu_offload=fsdp1 and torch.cuda.is_available())
+    state = get_model_state_dict(model, options=options)
+    adapters = {}
+    for name, value in state.items():
+        if "lora_" in name:
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            adapters[name] = value.detach().cpu().clone()
+    if rank == 0:
+        getattr(model, "module", model).save_pretrained(EXPORT_DIR, state_dict=adapters)
+        print(f"exported LoRA adapters to {EXPORT_DIR}", flush=True)
+    dist.barrier()
 '''
+
+
+def state_functions(*names: str) -> str:
+    """The named functions of STATE_CODE, in its order (the DDP script shares all but the FSDP export)."""
+    blocks = ("\n" + STATE_CODE).split("\n\n\ndef ")
+    chosen = [block for block in blocks[1:] if block.split("(", 1)[0] in names]
+    assert len(chosen) == len(names), names
+    return "".join("\n\n\ndef " + block.rstrip("\n") for block in chosen) + "\n"

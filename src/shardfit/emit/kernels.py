@@ -24,17 +24,20 @@ def optimizer_keywords(plan: Plan) -> str:
     return {"fused": ", fused=True", "foreach": ", foreach=True", "single": ", foreach=False"}.get(impl, "")
 
 
-def script_fields(plan: Plan, indent: str = "    ") -> dict:
-    """Template fields of the single / FSDP scripts: optimizer keyword, loss line, head setup, loss code."""
+def script_fields(plan: Plan, indent: str = "    ", batch: str | None = None) -> dict:
+    """Template fields of the single / FSDP scripts: optimizer keyword, loss line, head setup, loss code.
+    batch: the name of the script's batch dict (input_ids, labels, attention_mask); None: `ids` only."""
     t = plan.training
     impl = t.optimizer_impl
     fields = {"optimizer_kwargs": optimizer_keywords(plan),
               "optimizer_note": f"# optimizer step: {impl} (shardfit plan training.optimizer_impl)" if impl != "auto"
               else "# optimizer step: torch's default (foreach on CUDA)",
-              "loss_line": "loss = model(input_ids=ids, labels=ids).loss / GRAD_ACCUM", "head_setup": "",
+              "loss_line": f"loss = model(**{batch}).loss / GRAD_ACCUM" if batch
+              else "loss = model(input_ids=ids, labels=ids).loss / GRAD_ACCUM", "head_setup": "",
               "loss_code": ""}
     if t.loss == "chunked":
-        fields["loss_line"] = 'loss = model_loss(model, {"input_ids": ids, "labels": ids}, head) / GRAD_ACCUM'
+        inputs = batch or '{"input_ids": ids, "labels": ids}'
+        fields["loss_line"] = f"loss = model_loss(model, {inputs}, head) / GRAD_ACCUM"
         fields["head_setup"] = "\n".join((
             f"# chunked cross-entropy: head + loss in {t.loss_chunks} row chunks, logits recomputed in backward",
             f"{indent}head = model.get_output_embeddings()",
