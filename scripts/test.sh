@@ -20,4 +20,11 @@ for name in ("CPUAdamBuilder", "FusedAdamBuilder", "ShareMemCommBuilder"):
     get_accelerator().create_op_builder(name).load(verbose=False)
 print(f"test.sh: DeepSpeed CPU ops ready ({time.time() - start:.0f} s)")
 PY
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Tests run in SHARDFIT_TEST_WORKERS pytest-xdist processes (0: in this one), a file per worker so a
+# module's shared fixture (one torchrun launch for a whole matrix) runs once. More workers than cores on
+# purpose: much of a multi-rank test is waiting (rendezvous, process start, a timeout being proven).
+workers=${SHARDFIT_TEST_WORKERS:-3}
+if [ "$workers" = 0 ]; then
+  exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+fi
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile "$@"
