@@ -13,8 +13,8 @@ import json
 import math
 
 import pytest
-
-from launch import test_env as launch_env, torchrun
+from launch import test_env as launch_env
+from launch import torchrun
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]

@@ -11,7 +11,9 @@ rest: Korthikanti's 10 + 24/t split), then:
 - sequence parallel: the replicated part is split over tp too, so the layer's activations are the
   unsliced layer's / tp (Korthikanti et al. 2022 Table 2: 34/t + 5as/(ht));
 - pipeline: the rank holds `in_flight_microbatches` micro-batches of activations (1F1B: p - i on
-  rank i; interleaved: p(1 + (p-1)/(pv)) on the first; GPipe: all m) and p2p send/recv buffers;
+  rank i; interleaved: p(1 + (p-1)/(pv)) on the first; GPipe: all m, with no gradients yet), a
+  receive buffer per micro-batch and chunk (torch.distributed.pipelining keeps them across steps)
+  and, on the last stage, the logits of each micro-batch in flight;
 - context parallel: the ring's K/V chunks in flight (its own and the one arriving, double-buffered)
   and the fp32 partial output + log-sum-exp the ring accumulates;
 - "ideal" accounting: activations are the paper's formulas (estimate/korthikanti.py) instead.
