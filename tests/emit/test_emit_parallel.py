@@ -84,28 +84,56 @@ def test_data_parallel_plans_emit_as_before():
     assert "parallelism_config" not in config
 
 
-@pytest.mark.multirank
-@pytest.mark.slow
-def test_emitted_fsdp2_tp_script_trains_on_4_cpu_ranks(tmp_path):
-    # A 2 x 2 (dp, tp) mesh on gloo: the script fit's FSDP2 x TP plans emit as, run for real, short.
-    import re
-
-    from launch import test_env, torchrun
+def _tiny_fsdp2_plan(tp: int, ranks: int) -> Plan:
     from shardfit.spec.plan import Cluster, Schedule, Training
 
-    plan = Plan(model=load_model_spec("tiny-llama"), strategy=Strategy(kind="fsdp2"),
+    return Plan(model=load_model_spec("tiny-llama"), strategy=Strategy(kind="fsdp2"),
                 training=Training(micro_batch=2, grad_accum=2, seq_len=32, precision="fp32", activation_checkpointing="full"),
-                cluster=Cluster(nodes=1, gpus_per_node=4, gpu="custom:1"), schedule=Schedule(steps=3, log_every=1),
-                parallelism=Parallelism(tp=2, loss_parallel=False))
-    out = emit(plan, "fsdp2")
+                cluster=Cluster(nodes=1, gpus_per_node=ranks, gpu="custom:1"),
+                schedule=Schedule(steps=4, log_every=1, save_every=2),
+                parallelism=Parallelism(tp=tp, loss_parallel=False) if tp > 1 else Parallelism())
+
+
+def _step_losses(stdout: str) -> dict[int, float]:
+    import re
+
+    return {int(step): float(loss) for step, loss in re.findall(r"step (\d+) loss ([0-9.]+)", stdout)}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_emitted_fsdp2_tp_script_trains_on_4_cpu_ranks_and_resumes_on_another_mesh(tmp_path):
+    # A 2 x 2 (dp, tp) mesh on gloo: the script fit's FSDP2 x TP plans emit as, run for real, short. Its
+    # step-2 DCP checkpoint then resumes in the script of a dp=2 x tp=1 plan on 2 ranks: DCP reshards the
+    # (dp, tp) DTensors of weights and AdamW moments onto the 1-D mesh (get_state_dict / set_state_dict).
+    # The dp ranks read the same data in both runs, so steps 3 and 4 must repeat run 1's losses.
+    import re
+    import shutil
+
+    from launch import test_env, torchrun
+
+    out = emit(_tiny_fsdp2_plan(tp=2, ranks=4), "fsdp2")
     assert any("tp=2" in n for n in out.notes)
     script = tmp_path / "train_fsdp2.py"
     script.write_text(out.main)
     assert "TP = 2" in out.main and "parallelize_module" in out.main
-    result = torchrun([str(script)], nproc=4, timeout=240, env=test_env(STEPS="3", CHECKSUM="1"), cwd=tmp_path)
-    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", result.stdout)]
-    assert len(losses) == 3 and all(0 < loss < 20 for loss in losses) and losses[-1] < losses[0]
+    result = torchrun([str(script)], nproc=4, timeout=240, env=test_env(STEPS="4", CHECKSUM="1"), cwd=tmp_path)
+    losses = _step_losses(result.stdout)
+    assert sorted(losses) == [0, 1, 2, 3] and all(0 < loss < 20 for loss in losses.values())
+    assert losses[3] < losses[0]
     checksums = {int(r): float(v) for r, v in re.findall(r"rank (\d) checksum (-?[0-9.]+)", result.stdout)}
     assert set(checksums) == {0, 1, 2, 3}
-    assert list((tmp_path / "out" / "checkpoints").iterdir())  # a DCP checkpoint of the 2-D mesh was written
+    assert (tmp_path / "out" / "checkpoints" / "step-2" / ".metadata").is_file()  # DCP, of the 2-D mesh
     assert list((tmp_path / "out" / "export").glob("*.safetensors"))  # and the gathered export
+
+    resume = tmp_path / "resume"
+    shutil.copytree(tmp_path / "out" / "checkpoints" / "step-2", resume / "checkpoints" / "step-2")
+    other = emit(_tiny_fsdp2_plan(tp=1, ranks=2), "fsdp2").main
+    assert "TP = 1" in other
+    (resume / "train_fsdp2.py").write_text(other)
+    again = torchrun([str(resume / "train_fsdp2.py")], nproc=2, timeout=180, cwd=resume,
+                     env=test_env(STEPS="4", CKPT_DIR=str(resume / "checkpoints"), EXPORT_DIR=""))
+    assert f"resumed from {resume / 'checkpoints' / 'step-2'} at step 2" in again.stdout
+    resumed = _step_losses(again.stdout)
+    assert sorted(resumed) == [2, 3]  # the printed losses have 4 decimals
+    assert resumed == {step: pytest.approx(losses[step], abs=2e-4) for step in (2, 3)}, (losses, resumed)

@@ -228,3 +228,40 @@ def test_tensor_sequence_context_and_pipeline_parallel_shrink_their_categories()
     assert first.category_peak("activations") == pytest.approx(sp.category_peak("activations"), rel=0.1)
     assert last.category_peak("activations") < first.category_peak("activations") / 3
     assert pp.device_peak_bytes == max(e.device_peak_bytes for _, _, e in stages)
+
+
+def _pipeline_plan(pp: int, schedule: str = "1f1b", sp: bool = False) -> Plan:
+    return Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("ddp"),
+                cluster=Cluster(nodes=1, gpus_per_node=pp * (2 if sp else 1)),
+                training=Training(micro_batch=2, grad_accum=4, seq_len=64, precision="fp32"),
+                parallelism=Parallelism(pp=pp, pp_schedule=schedule, tp=2 if sp else 1, sequence_parallel=sp,
+                                        loss_parallel=False))
+
+
+def test_pipeline_receive_buffers_one_per_microbatch_and_direction():
+    from shardfit.estimate.model_parallel import pipeline_buffers
+
+    plan = _pipeline_plan(4)
+    layout, m = resolve(plan), 4
+    boundary = 2 * 64 * plan.model.hidden_size * 4  # b x s x h x fp32
+    first, middle, last = (pipeline_buffers(plan, layout, i == 0, i == 3, 4) for i in (0, 1, 3))
+    assert first == last == m * boundary and middle == 2 * m * boundary  # activations in, gradients in
+    assert pipeline_buffers(_pipeline_plan(1), resolve(_pipeline_plan(1)), True, True, 4) == 0
+    sp = _pipeline_plan(2, sp=True)
+    assert pipeline_buffers(sp, resolve(sp), True, False, 4) == m * boundary // 2  # SP: a 1/tp slice crosses
+    # Kept in the optimizer step too (allocated once, reused every step): 4 more micro-batches, 4 more each way.
+    more = plan.with_changes(parallelism=replace(plan.parallelism, pp_microbatches=8))
+    four, eight = (stage_estimates(p, estimate, device="cpu", accounting="real")[1][2] for p in (plan, more))
+    assert eight.phases["optimizer"]["temporaries"] - four.phases["optimizer"]["temporaries"] == middle
+
+
+def test_gpipe_peaks_before_gradients_exist_and_holds_the_logits_on_the_last_stage():
+    one_f, gpipe = (stage_estimates(_pipeline_plan(2, s), estimate, device="cpu", accounting="real") for s in ("1f1b", "gpipe"))
+    for (_, _, a), (_, _, b) in zip(one_f, gpipe):
+        assert b.phases["backward"]["grads"] == 0 < a.phases["backward"]["grads"]
+        assert b.phases["optimizer"]["grads"] == a.phases["optimizer"]["grads"]
+    logits = 2 * 64 * 320 * 4
+    # Last stage: 1 micro-batch in flight under 1F1B, all 4 under GPipe, each with its logits kept.
+    extra = gpipe[1][2].phases["backward"]["activations"] - one_f[1][2].phases["backward"]["activations"]
+    per_micro = one_f[1][2].phases["backward"]["activations"] - logits
+    assert extra == 3 * (per_micro + logits)

@@ -21,3 +21,17 @@ def test_train_refuses_model_parallel_plans(tmp_path):
         train(plan, tmp_path / "run", ctx=ctx)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_pipeline_engine_refuses_what_it_does_not_run_in_one_line():
+    from shardfit.engines.base import DistContext
+    from shardfit.engines.pipeline import check
+    from shardfit.modeling import build_model
+
+    model = build_model(load_model_spec("tiny-llama").source, device="cpu", dtype=None, seed=0)
+    plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
+                cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(tp=2, pp=2))
+    ctx = DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    with pytest.raises(ShardfitError, match="runs pp alone") as info:
+        check(plan, model, ctx)
+    assert "\n" not in str(info.value)

@@ -17,4 +17,6 @@ def engine_module(kind: str):
 
 def setup(plan, model, ctx):
     """Wrap `model` (built on CPU with the plan's seed, so every engine starts from the same weights)."""
+    if plan.parallelism.pp > 1:  # a pipeline stage per rank (engines/pipeline.py), whatever the strategy
+        return importlib.import_module("shardfit.engines.pipeline").setup(plan, model, ctx)
     return engine_module(plan.strategy.kind).setup(plan, model, ctx)

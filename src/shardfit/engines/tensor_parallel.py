@@ -18,8 +18,10 @@ from shardfit.errors import ShardfitError
 
 
 def data_rank(plan, rank: int) -> int:
-    """The data-parallel index of a global rank: TP ranks of one group read the same batch."""
-    return rank // plan.parallelism.tp
+    """The data-parallel index of a global rank: the TP ranks of one group, and the stages of one
+    pipeline, read the same batch (pp is the outermost mesh dimension, tp the innermost)."""
+    par = plan.parallelism
+    return (rank % max(1, plan.cluster.world_size // par.pp)) // par.tp
 
 
 def _styles():

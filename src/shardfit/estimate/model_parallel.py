@@ -11,7 +11,9 @@ rest: Korthikanti's 10 + 24/t split), then:
 - sequence parallel: the replicated part is split over tp too, so the layer's activations are the
   unsliced layer's / tp (Korthikanti et al. 2022 Table 2: 34/t + 5as/(ht));
 - pipeline: the rank holds `in_flight_microbatches` micro-batches of activations (1F1B: p - i on
-  rank i; interleaved: p(1 + (p-1)/(pv)) on the first; GPipe: all m) and p2p send/recv buffers;
+  rank i; interleaved: p(1 + (p-1)/(pv)) on the first; GPipe: all m, with no gradients yet), a
+  receive buffer per micro-batch and chunk (torch.distributed.pipelining keeps them across steps)
+  and, on the last stage, the logits of each micro-batch in flight;
 - context parallel: the ring's K/V chunks in flight (its own and the one arriving, double-buffered)
   and the fp32 partial output + log-sum-exp the ring accumulates;
 - "ideal" accounting: activations are the paper's formulas (estimate/korthikanti.py) instead.
@@ -149,6 +151,22 @@ def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, 
     return {**gather, "activations": forward["activations"]}
 
 
+def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int) -> int:
+    """Receive buffers of one pipeline rank, bytes (0 without a pipeline). torch.distributed.pipelining
+    allocates a receive buffer per micro-batch and per stage chunk, once, and keeps it across steps:
+    the boundary activation on every chunk but the model's first, its gradient on every chunk but the
+    model's last. NOTE: step() would also keep every micro-batch's output (the logits) on the last
+    stage until the next step (m*b*s*V*d) for its return value; shardfit's engine passes
+    return_outputs=False, so that is not counted. Measured on tiny-llama, pp=2, m=4, 1F1B and GPipe,
+    2 CPU ranks (tests/engines/test_pipeline.py)."""
+    if layout.pp == 1:
+        return 0
+    t = plan.training
+    tokens = t.micro_batch * (t.seq_len // layout.cp)
+    boundary = tokens * plan.model.hidden_size * d // (layout.tp if layout.sequence_parallel else 1)
+    return layout.microbatches * (2 * layout.virtual - first - last) * boundary
+
+
 def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
     model, t = plan.model, plan.training
     first, last = stage == 0, stage == layout.pp - 1
@@ -163,8 +181,12 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     per_micro = _paper_activations(plan, layout, layers, first, last) if paper else one * scale
     d = 4 if t.precision == "fp32" else 2
     b, s = t.micro_batch, t.seq_len // layout.cp
-    # p2p: the stage boundary's activation (and in backward its gradient), sent and received.
-    p2p = 2 * b * s * model.hidden_size * d // (layout.tp if layout.sequence_parallel else 1) if layout.pp > 1 else 0
+    p2p = pipeline_buffers(plan, layout, first, last, d)
+    # The last stage's output (the logits) of each micro-batch in flight, which the stage keeps in its
+    # forward cache to run that micro-batch's backward from the loss; the rank-local data-parallel
+    # profile frees the logits at the loss. Measured: +2% over on tiny-llama under 1F1B and GPipe.
+    kept_logits = (int(in_flight * b * s * model.vocab_size * d) // (layout.tp if layout.loss_parallel else 1)
+                   if last and layout.pp > 1 else 0)
     kvd = (model.num_kv_heads or model.num_heads) // layout.tp * (model.head_dim or model.hidden_size // model.num_heads)
     qd = model.num_heads // layout.tp * (model.head_dim or model.hidden_size // model.num_heads)
     # Ring attention: K and V chunks of s/cp tokens, the rank's own and the arriving one (double
@@ -180,11 +202,22 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # so the stage's unsharded gradients (param dtype) live from the first backward to the step.
     held = rank_model.n_params * d if (layout.pp > 1 and plan.strategy.kind == "fsdp2"
                                        and layout.dp_shard * layout.cp > 1 and layout.microbatches > 1) else 0
+    # GPipe runs every forward before the first backward: its peak is at that backward, with all m
+    # micro-batches' activations and no gradient allocated yet (the step before freed them:
+    # zero_grad(set_to_none)), unless the gradients outweigh the m - 1 micro-batches freed by then.
+    # Measured (tests/engines/test_pipeline.py): 0 and 45,056 B of 451,584 B of gradients at that peak.
+    no_grads = layout.pp > 1 and layout.schedule == "gpipe" and per_micro * (in_flight - 1) >= est.phases["backward"]["grads"]
     phases = {}
     for name, cats in est.phases.items():
         cats = dict(cats)
+        if name in ("forward", "backward") and no_grads:
+            cats["grads"] = 0
         if name in ("forward", "backward") and held:
             cats["grads"] += held
+        if name in ("forward", "backward", "optimizer"):  # allocated by the first step, kept for the next
+            cats["temporaries"] += p2p
+        if name in ("forward", "backward"):
+            cats["activations"] += kept_logits
         if name in ("forward", "backward"):
             if paper:
                 cats["activations"] = int(per_micro * in_flight)
@@ -192,7 +225,7 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                 cats["activations"] = int(cats["activations"] * scale + per_micro * (in_flight - 1))
             moved = min(embedding_out, cats["activations"])
             cats["activations"] -= moved
-            cats["temporaries"] += p2p + ring + moved
+            cats["temporaries"] += ring + moved
         phases[name] = cats
     if last and layout.tp > 1 and not layout.loss_parallel and not paper:
         phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp)
@@ -209,8 +242,11 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                       formula="Korthikanti Table 2 (ideal) | rank-local profile x SP scale",
                       inputs={"scale_sp": scale, "in_flight": in_flight, "layers": layers},
                       source="Korthikanti et al. 2022 sec. 4; Narayanan et al. 2021 (1F1B)"),
-                 Term(name="parallel.p2p_buffers", bytes=p2p, formula="2*b*(s/cp)*h*d (/t under SP)", inputs={},
-                      source="torch.distributed.pipelining send/recv buffers"),
+                 Term(name="parallel.p2p_buffers", bytes=p2p, formula="m*(2v - first - last)*b*(s/cp)*h*d (/t under SP)",
+                      inputs={"microbatches": layout.microbatches, "virtual": layout.virtual},
+                      source="torch.distributed.pipelining stage.py: a receive buffer per micro-batch and chunk"),
+                 Term(name="parallel.pp_kept_logits", bytes=kept_logits, formula="last stage: in_flight*b*(s/cp)*V*d",
+                      inputs={"in_flight": in_flight}, source="torch.distributed.pipelining stage.py fwd_cache"),
                  Term(name="parallel.pp_unsharded_grads", bytes=held, formula="stage params * d (fsdp2, pp > 1)",
                       inputs={"microbatches": layout.microbatches},
                       source="torch.distributed.pipelining stage.py: no reshard / grad sync before the last micro-batch"),

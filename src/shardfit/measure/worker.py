@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from shardfit import engines
 from shardfit.engines.base import init_distributed
+from shardfit.engines.tensor_parallel import data_rank
 from shardfit.estimate.estimator import estimate
 from shardfit.measure.api import profile
 from shardfit.measure.compare import compare
@@ -35,7 +36,7 @@ from shardfit.spec.plan import is_deepspeed_kind
 
 def make_batch(plan, step: int, rank: int, vocab: int) -> dict:
     t = plan.training
-    rank //= plan.parallelism.tp  # the ranks of one tensor-parallel group read the same batch
+    rank = data_rank(plan, rank)  # the ranks of one TP group / one pipeline read the same batch
     generator = torch.Generator().manual_seed(plan.schedule.seed * 1000 + step * 17 + rank)
     ids = torch.randint(0, vocab, (t.micro_batch, t.seq_len), generator=generator)
     return {"input_ids": ids, "labels": ids.clone()}

@@ -1,0 +1,154 @@
+"""Pipeline parallelism through torch.distributed.pipelining: each rank builds one PipelineStage from
+its contiguous share of a transformers decoder's layers (torchtitan's manual split, not the tracer:
+`pipeline()` needs an fx-traceable forward, which transformers' masks and rotary caches are not), and
+a GPipe or 1F1B schedule runs the plan's micro-batches through the stages.
+
+The first stage owns the token embedding, the last the final norm, the head and the loss; every
+stage recomputes the rotary embedding and the causal mask from the sequence length (cheap, and no
+extra tensor crosses the stage boundary: only the hidden states, which is what the estimator's p2p
+buffers count). Pure pipeline so far: world = pp, no data / tensor parallel inside a stage.
+
+forward_backward(batch, last) collects micro-batches until `last`, then runs the whole schedule once
+(forward and backward of all of them): the plan's pp_microbatches are its grad_accum micro-batches.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from shardfit.engines import base
+from shardfit.errors import ShardfitError
+from shardfit.spec.parallelism import resolve, stage_layers
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+class StageModule(torch.nn.Module):
+    """One pipeline rank's part of a decoder-only transformers model (llama-style: base.embed_tokens,
+    base.layers, base.norm, base.rotary_emb, lm_head)."""
+
+    def __init__(self, model, first: int, count: int, is_first: bool, is_last: bool):
+        super().__init__()
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        body = getattr(inner, inner.base_model_prefix)
+        self.config = inner.config
+        self.embed_tokens = body.embed_tokens if is_first else None
+        self.layers = torch.nn.ModuleList(body.layers[first:first + count])
+        self.rotary_emb = body.rotary_emb
+        self.norm = body.norm if is_last else None
+        self.lm_head = inner.lm_head if is_last else None
+
+    def forward(self, hidden):
+        from transformers.masking_utils import create_causal_mask
+
+        if self.embed_tokens is not None:
+            hidden = self.embed_tokens(hidden)
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                  position_ids=positions)
+        rotary = self.rotary_emb(hidden, position_ids=positions)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+        if self.lm_head is not None:
+            hidden = self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def check(plan, model, ctx) -> None:
+    par = plan.parallelism
+    if par.tp > 1 or par.cp > 1 or par.ep > 1 or ctx.world_size != par.pp:
+        raise ShardfitError(f"the pipeline engine runs pp alone (world = pp) so far: pp = {par.pp} on "
+                            f"{ctx.world_size} ranks with tp = {par.tp}, cp = {par.cp}; tp/cp/dp x pp are plan / "
+                            "emit only (issue 14)")
+    if par.pp_schedule not in SCHEDULES:
+        raise ShardfitError(f"the pipeline engine runs {' and '.join(SCHEDULES)}; '{par.pp_schedule}' is plan only")
+    if plan.training.lora is not None or plan.training.activation_checkpointing != "none":
+        raise ShardfitError("the pipeline engine runs without LoRA and activation checkpointing so far")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ShardfitError(f"{plan.model.name} ties its head to its embedding, which would sit on two stages: "
+                            "the pipeline engine runs untied models only")
+    body = getattr(model, model.base_model_prefix, None)
+    if not all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise ShardfitError(f"{type(model).__name__} is not a llama-style decoder (embed_tokens, layers, norm, "
+                            "rotary_emb): the pipeline engine cannot split it")
+
+
+def setup(plan, model, ctx) -> base.Engine:
+    from torch.distributed import pipelining
+
+    check(plan, model, ctx)
+    layout = resolve(plan)
+    stage_index, stages = ctx.rank, layout.pp
+    counts = stage_layers(plan.model.num_layers, stages)
+    first = sum(counts[:stage_index])
+    module = StageModule(model, first, counts[stage_index], stage_index == 0, stage_index == stages - 1)
+    module.to(ctx.device)
+    stage = pipelining.PipelineStage(module, stage_index, stages, ctx.device)
+    vocab = model.config.vocab_size
+
+    def loss_fn(logits, labels):
+        # The model's own causal-LM loss (shifted, mean over tokens) on one micro-batch; the schedule
+        # scales the gradients by 1 / micro-batches, as accumulation would.
+        return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    schedule = getattr(pipelining, SCHEDULES[layout.schedule])(stage, n_microbatches=layout.microbatches,
+                                                                loss_fn=loss_fn)
+    params = base.trainable_params(module)
+    optimizer = base.build_optimizer(plan, params)
+    scheduler = base.build_scheduler(plan, optimizer)
+    pending: list[dict] = []
+    is_last = stage_index == stages - 1
+
+    def forward_backward(batch: dict, last: bool):
+        pending.append(batch)
+        if not last:
+            return torch.zeros(())
+        ids = torch.cat([b["input_ids"] for b in pending]).to(ctx.device)
+        labels = torch.cat([b["labels"] for b in pending]).to(ctx.device)
+        pending.clear()
+        losses: list = []
+        # NOTE: return_outputs=False: otherwise the last stage keeps every micro-batch's logits
+        # (m*b*s*V*d) until the next step, only to hand them back merged.
+        if stage_index == 0:
+            schedule.step(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
+        elif is_last:
+            schedule.step(target=labels, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        # The mean micro-batch loss, known on the last stage: sent to every rank (the loop logs rank 0's).
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if is_last else torch.zeros(())
+        dist.broadcast(loss, src=stages - 1)
+        return loss
+
+    def step():
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
+        dist.all_reduce(local)  # the global norm over every stage's parameters
+        norm = local.sqrt()
+        max_norm = plan.schedule.grad_clip
+        if max_norm and max_norm > 0:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(coef)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm), True
+
+    def zero_grad():
+        optimizer.zero_grad(set_to_none=True)
+
+    def unsupported(*_args, **_kwargs):
+        raise ShardfitError("the pipeline engine does not checkpoint, evaluate or export yet (issue 14)")
+
+    @contextmanager
+    def inference():
+        raise ShardfitError("the pipeline engine does not evaluate or generate yet (issue 14)")
+        yield  # pragma: no cover
+
+    return base.Engine(kind="pipeline", plan=plan, ctx=ctx, model=module, module=module, optimizer=optimizer,
+                       scheduler=scheduler, forward_backward=forward_backward, step=step, zero_grad=zero_grad,
+                       save=unsupported, load=unsupported, inference=inference, full_state=unsupported)
+
