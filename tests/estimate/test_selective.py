@@ -116,9 +116,11 @@ def test_fit_takes_selective_between_none_and_full():
     assert peaks["full"] < peaks["every-2"] < peaks["none"] and peaks["full"] < peaks["selective"] < peaks["none"]
     # With the loss pinned: the chunked loss (the rung before checkpointing, +1% time) otherwise fits
     # without any checkpointing (tests/fit/test_fit_kernels.py).
-    result = fit(FitRequest.build(model=spec, gpus_per_node=8, seq_len=8192, global_batch=8, loss="standard"))
+    result = fit(FitRequest.build(model=spec, gpus_per_node=8, seq_len=8192, global_batch=8, loss="standard",
+                                  layouts=False))  # data parallel: the checkpointing levers under test
     assert result.best.plan.training.activation_checkpointing == "selective"
-    chunked = fit(FitRequest.build(model=spec, gpus_per_node=8, seq_len=8192, global_batch=8)).best.plan.training
+    chunked = fit(FitRequest.build(model=spec, gpus_per_node=8, seq_len=8192, global_batch=8,
+                                  layouts=False)).best.plan.training
     assert (chunked.activation_checkpointing, chunked.loss) == ("none", "chunked")
 
 

@@ -18,9 +18,10 @@ GIB = 1024**3
 
 
 def _long_context(**changes) -> FitRequest:
-    # Llama-3.1-8B at 32k tokens: the loss's fp32 b*s*V buffers (V = 128256) are most of the peak.
+    # Llama-3.1-8B at 32k tokens: the loss's fp32 b*s*V buffers (V = 128256) are most of the peak. Data
+    # parallel only: a tp / cp layout would split those buffers too, and the loss is the lever under test.
     return FitRequest.build(model=load_model_spec("llama-3.1-8b"), gpu="H100-80GB", gpus_per_node=8, seq_len=32768,
-                            global_batch=8, engines=("fsdp",), host_memory_gib=64, **changes)
+                            global_batch=8, engines=("fsdp",), host_memory_gib=64, layouts=False, **changes)
 
 
 def test_fit_turns_the_chunked_loss_on_when_nothing_fits_without_it():

@@ -8,7 +8,7 @@ from shardfit.cli import main
 from shardfit.estimate.estimator import estimate
 from shardfit.spec.plan import LoRA
 
-BASE = ["fit", "llama-3.1-8b", "--gpus", "8", "--gpu", "A100-40GB", "--seq", "4096"]
+BASE = ["fit", "llama-3.1-8b", "--gpus", "8", "--gpu", "A100-40GB", "--seq", "4096", "--data-parallel-only"]
 
 
 def run(capsys, *argv):

@@ -17,7 +17,19 @@ GIB = 1024**3
 
 
 def _fit(model, gpu, gpus, **kw):
+    # Data parallel only: on these clusters a tp layout (exact arithmetic) fits before any state rung
+    # would be climbed (test_a_layout_comes_before_the_state_rungs); the rungs are the levers under test.
+    kw.setdefault("layouts", False)
     return fit(FitRequest.build(model=load_model_spec(model), gpu=gpu, gpus_per_node=gpus, seq_len=2048, **kw))
+
+
+def test_a_layout_comes_before_the_state_rungs():
+    # Llama-3.1-8B on 4 x A100-40GB: no data-parallel plan fits in full precision; a tensor-parallel
+    # layout keeps the optimizer and precision as asked, so it is taken before 8-bit AdamW or pure bf16.
+    best = _fit("llama-3.1-8b", "A100-40GB", 4, layouts=True).best
+    assert best.plan.parallelism.tp > 1 and best.rung == ""
+    assert (best.plan.training.optimizer, best.plan.training.precision) == ("adamw", "bf16")
+    assert _fit("llama-3.1-8b", "A100-40GB", 4).best.rung == "8-bit AdamW"
 
 
 @pytest.mark.parametrize("model,gpu,gpus,rung,optimizer,precision", [
@@ -68,10 +80,10 @@ def test_8bit_never_lands_on_fsdp2():
 
 def test_a_pinned_knob_is_not_climbed(capsys):
     # --optimizer given: no 8-bit rung (pure bf16 may still be climbed); --precision given: no pure-bf16 rung.
-    assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--json"]) == 0
+    assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--data-parallel-only", "--json"]) == 0
     free = json.loads(capsys.readouterr().out)
     assert free["plan"]["training"]["optimizer"] == "adamw8bit" and free["best"]["rung"] == "8-bit AdamW"
-    assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--optimizer", "adamw",
+    assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--data-parallel-only", "--optimizer", "adamw",
                  "--precision", "bf16", "--json"]) == 0
     pinned = json.loads(capsys.readouterr().out)
     assert pinned["plan"]["training"]["optimizer"] == "adamw" and pinned["plan"]["training"]["precision"] == "bf16"
@@ -80,7 +92,7 @@ def test_a_pinned_knob_is_not_climbed(capsys):
 
 def test_emit_carries_the_rung(tmp_path, capsys):
     plan_path = tmp_path / "plan.yaml"
-    assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "-o", str(plan_path)]) == 0
+    assert main(["fit", "llama-3.1-8b", "--gpu", "A100-40GB", "--gpus", "4", "--data-parallel-only", "-o", str(plan_path)]) == 0
     plan = load_plan(plan_path)
     assert plan.training.optimizer == "adamw8bit"
     args = json.loads(emit(plan, "hf-trainer").files["training_args.json"])

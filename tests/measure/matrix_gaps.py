@@ -97,6 +97,10 @@ _TIMING = "measured value moves between runs: {} (the peak instant depends on ti
 VARIES: dict[str, dict[str, str]] = {
     "tiny-llama/zero3+offload/fp32/ac-full": {"backward/grads": _TIMING.format("0 or 45056, predicted 0")},
     "tiny-llama/zero3+offload/bf16/ac-full": {"backward/grads": _TIMING.format("0 or 22528, predicted 0")},
+    # Seen once in a full suite with 3 pytest-xdist workers on 2 cores (2026-12-02): 329988 B, twice the
+    # 163840 predicted, and within 5% in the runs before and after (the worst rank still holding one more
+    # step buffer when it steps).
+    "tiny-llama/fsdp:full_shard/bf16/ac-full": {"optimizer/temporaries": _TIMING.format("within 5% or 329988, predicted 163840")},
 }
 
 # DeepSpeed offload: whether the ipg bucket (reduce_bucket_size elements) is still allocated on the worst

@@ -51,6 +51,9 @@ def add_arguments(parser) -> None:
     add_kernel_arguments(parser, fit=True)
     parser.add_argument("--engine", default="single,ddp,deepspeed,fsdp",
                         help="comma list of engines to search: single (one GPU only), ddp, deepspeed, fsdp (default all)")
+    parser.add_argument("--data-parallel-only", action="store_true",
+                        help="search no tensor / pipeline / context parallel layouts (for a trainer that runs data "
+                             "parallel only: HF Trainer, DeepSpeed, Lightning, shardfit train)")
     parser.add_argument("--cpu", action="store_true",
                         help="budget for a CPU run: compare tensor bytes only (no CUDA context / NCCL)")
     parser.add_argument("--host-memory-gib", "--host-memory", type=gib_type("--host-memory-gib"), dest="host_memory_gib",
@@ -96,7 +99,7 @@ def request_from_args(args):
     # A knob given on the command line is pinned: its state rung (fit/rungs.py) is not climbed.
     rungs = tuple(r for r in RUNG_NAMES if not (r == "adamw8bit" and args.optimizer is not None)
                   and not (r == "bf16-pure" and args.precision is not None))
-    return FitRequest.build(**kernels, model=model, gpu=gpu_name, rungs=rungs, ac=args.ac, micro_batch=args.micro_batch,
+    return FitRequest.build(**kernels, model=model, gpu=gpu_name, rungs=rungs, layouts=not args.data_parallel_only, ac=args.ac, micro_batch=args.micro_batch,
                             strategy=args.strategy, device_profile=profiled, gpus_per_node=per_node, nodes=nodes, seq_len=args.seq,
                             global_batch=args.global_batch, lora=lora, margin=args.margin, precision=args.precision,
                             optimizer=(args.optimizer or "adamw").strip().lower(), engines=engines, device="cpu" if args.cpu else "cuda",
@@ -137,9 +140,14 @@ def run(args) -> int:
             print(checked.line())
             print("\n".join(checked.time_lines(result)))
         if args.output and ok:
-            formats = "single|hf-trainer|..." if result.best.plan.strategy.kind == "single" else "deepspeed|fsdp2|..."
-            print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}` "
-                  f"or `shardfit train {args.output}`", file=sys.stderr)
+            plan = result.best.plan
+            if not plan.parallelism.is_default:  # a tp / pp / cp layout: only these formats carry it
+                print(f"wrote {args.output}: next `shardfit emit {args.output} --format fsdp2|accelerate|torchrun` "
+                      "(a data-parallel trainer: fit --data-parallel-only)", file=sys.stderr)
+            else:
+                formats = "single|hf-trainer|..." if plan.strategy.kind == "single" else "deepspeed|fsdp2|..."
+                print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}` "
+                      f"or `shardfit train {args.output}`", file=sys.stderr)
     return 0 if ok else 1
 
 

@@ -64,7 +64,7 @@ def _check_layout_format(plan: Plan, key: str, options: EmitOptions) -> None:
     if key not in _LAYOUT_FORMATS:
         raise ShardfitError(f"--format {key} writes a data-parallel setup, but this plan is {layout}: use --format "
                             "fsdp2 (FSDP2 x TP, without pp / cp), accelerate (its ParallelismConfig: tp, cp) and "
-                            "--format torchrun / slurm with --entry your script")
+                            "--format torchrun / slurm with --entry your script; or re-run fit with --data-parallel-only")
     if key in ("torchrun", "slurm") and options.entry is None:
         raise ShardfitError(f"`shardfit train` runs data-parallel plans only and this plan is {layout}: give --entry "
                             "your training script (e.g. `accelerate launch` reading `shardfit emit --format accelerate`)")

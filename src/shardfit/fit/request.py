@@ -36,6 +36,9 @@ class SearchOptions:
     device_profile: GPU | None = None  # calibrated rates (--device-profile); memory and plans still name the GPU
     # State rungs (fit/rungs.py) fit may climb before offload; the CLI drops one whose knob is pinned.
     rungs: tuple[str, ...] = RUNG_NAMES
+    # tp x pp x cp layouts (fit/layouts.py) beside data parallelism; off for a trainer that runs data
+    # parallel only (HF Trainer, DeepSpeed, Lightning, `shardfit train`): --data-parallel-only.
+    layouts: bool = True
 
 
 PIN_FIELDS = tuple(Pins.__dataclass_fields__)

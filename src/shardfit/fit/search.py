@@ -281,7 +281,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     ac_options = pin_ac(request, ac_options, selective_available(model))
     micro_options = pin_micro_batch(request, micro_options, per_rank)
     all_families = pin_strategy(request, all_families)
-    if "fsdp" in options.engines and base.training.lora is None and request.pins.strategy is None:
+    if options.layouts and "fsdp" in options.engines and base.training.lora is None and request.pins.strategy is None:
         # tp x pp x cp layouts (fit/layouts.py), after the data-parallel families without offload.
         split = next((i for i, f in enumerate(all_families) if f.tier > 0), len(all_families))
         all_families[split:split] = parallel_families(model, cluster, base.training.seq_len)
