@@ -13,7 +13,7 @@ import textwrap
 
 from shardfit.emit.common import Emitted, EmitOptions, script_inputs
 from shardfit.emit.data_code import DATA_CODE
-from shardfit.emit.fsdp import run_fields
+from shardfit.emit.fsdp import RUN_DATA, RUN_IO, run_fields
 from shardfit.emit.fsdp_state import state_functions
 from shardfit.emit.kernels import script_fields
 from shardfit.emit.optimizer_code import optimizer_code
@@ -41,30 +41,10 @@ _HEADER = '''    """DDP training script written by `shardfit emit --format ddp` 
     PRECISION = "{precision}"  # fp32 | bf16, fp16: autocast over fp32 weights | bf16-pure: bf16 weights
     PURE_BF16 = PRECISION == "bf16-pure"
     AUTOCAST_DTYPE = {{"bf16": torch.bfloat16, "fp16": torch.float16}}.get(PRECISION)  # None: no autocast
-    LORA = {lora}
-    MODEL_CONFIG = {config}
-    TIED = {tied}  # the head shares the embedding's weight (the model's own default when its config is silent)
-    # Pretrained weights: a save_pretrained folder of *.safetensors; empty = the model's own init.
-    WEIGHTS = os.environ.get("WEIGHTS", {weights})
-    # Sharded checkpoints every SAVE_EVERY steps (0 = none) in CKPT_DIR, resumed from the newest complete one;
-    # the trained model goes to EXPORT_DIR as safetensors (empty = no export).
-    CKPT_DIR = os.environ.get("CKPT_DIR", {ckpt_dir})
-    SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "{save_every}")){save_note}
-    EXPORT_DIR = os.environ.get("EXPORT_DIR", {export_dir})
-    # Gradient all-reduce on the last micro-batch only (DDP's no_sync on the others): one all-reduce per
+''' + RUN_IO + '''    # Gradient all-reduce on the last micro-batch only (DDP's no_sync on the others): one all-reduce per
     # optimizer step instead of one per micro-batch, at no memory cost (each rank holds full gradients anyway).
     NO_SYNC = GRAD_ACCUM > 1
-    # Data: a .txt / .jsonl file or a save_to_disk folder, tokenized by TOKENIZER (a local folder; empty =
-    # byte-level), padded per batch to its longest row, batches grouped by length; PACK=1 packs documents
-    # into full rows. Empty DATA = stand-in random tokens.
-    DATA = os.environ.get("DATA", {data})
-    TOKENIZER = os.environ.get("TOKENIZER", {tokenizer})
-    PACK = os.environ.get("PACK", "{pack}") == "1"
-    GROUP_BY_LENGTH = True
-
-
-    {model_functions}{loss_code}
-'''
+''' + RUN_DATA
 
 _DDP = '''
 

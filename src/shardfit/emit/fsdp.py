@@ -21,6 +21,32 @@ from shardfit.spec.plan import Plan
 
 _DTYPES = {"bf16": "torch.bfloat16", "bf16-pure": "torch.bfloat16", "fp16": "torch.float16", "fp32": None}
 
+# The settings every multi-rank script (FSDP1, FSDP2, DDP) starts with: model, weights, checkpoints,
+# export (RUN_IO) and data (RUN_DATA), as template text.
+RUN_IO = '''    LORA = {lora}
+    MODEL_CONFIG = {config}
+    TIED = {tied}  # the head shares the embedding's weight (the model's own default when its config is silent)
+    # Pretrained weights: a save_pretrained folder of *.safetensors; empty = the model's own init.
+    WEIGHTS = os.environ.get("WEIGHTS", {weights})
+    # Sharded checkpoints every SAVE_EVERY steps (0 = none) in CKPT_DIR, resumed from the newest complete one;
+    # the trained model goes to EXPORT_DIR as safetensors (empty = no export).
+    CKPT_DIR = os.environ.get("CKPT_DIR", {ckpt_dir})
+    SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "{save_every}")){save_note}
+    EXPORT_DIR = os.environ.get("EXPORT_DIR", {export_dir})
+'''
+RUN_DATA = '''    # Data: a .txt / .jsonl file or a save_to_disk folder, tokenized by TOKENIZER (a local folder; empty =
+    # byte-level), padded per batch to its longest row, batches grouped by length; PACK=1 packs documents
+    # into full rows. Empty DATA = stand-in random tokens.
+    DATA = os.environ.get("DATA", {data})
+    TOKENIZER = os.environ.get("TOKENIZER", {tokenizer})
+    PACK = os.environ.get("PACK", "{pack}") == "1"
+    GROUP_BY_LENGTH = True
+
+
+    {model_functions}{loss_code}
+'''
+
+
 _HEADER = '''    """{kind} training script written by `shardfit emit --format {fmt}` for {model}: {label},
     {nodes} node(s) x {gpus} GPU(s), micro-batch {micro} x accumulation {accum} x {world} ranks = global batch {global_batch}.
 
@@ -43,30 +69,10 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     TP = {tp}  # tensor-parallel ranks (inside a node): FSDP2 shards over the other world // TP; 1 = off
     COMPUTE_DTYPE = {dtype}  # None = fp32
     PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
-    LORA = {lora}
-    MODEL_CONFIG = {config}
-    TIED = {tied}  # the head shares the embedding's weight (the model's own default when its config is silent)
-    # Pretrained weights: a save_pretrained folder of *.safetensors; empty = the model's own init.
-    WEIGHTS = os.environ.get("WEIGHTS", {weights})
-    # Sharded checkpoints every SAVE_EVERY steps (0 = none) in CKPT_DIR, resumed from the newest complete one;
-    # the trained model goes to EXPORT_DIR as safetensors (empty = no export).
-    CKPT_DIR = os.environ.get("CKPT_DIR", {ckpt_dir})
-    SAVE_EVERY = int(os.environ.get("SAVE_EVERY", "{save_every}")){save_note}
-    EXPORT_DIR = os.environ.get("EXPORT_DIR", {export_dir})
-    # Gradient sync on the last micro-batch only: one reduce-scatter per optimizer step instead of one per
+''' + RUN_IO + '''    # Gradient sync on the last micro-batch only: one reduce-scatter per optimizer step instead of one per
     # micro-batch, at the cost of holding unsharded gradients until then ({no_sync_cost} per rank).
     NO_SYNC = GRAD_ACCUM > 1
-    # Data: a .txt / .jsonl file or a save_to_disk folder, tokenized by TOKENIZER (a local folder; empty =
-    # byte-level), padded per batch to its longest row, batches grouped by length; PACK=1 packs documents
-    # into full rows. Empty DATA = stand-in random tokens.
-    DATA = os.environ.get("DATA", {data})
-    TOKENIZER = os.environ.get("TOKENIZER", {tokenizer})
-    PACK = os.environ.get("PACK", "{pack}") == "1"
-    GROUP_BY_LENGTH = True
-
-
-    {model_functions}{loss_code}
-'''
+''' + RUN_DATA
 
 _FSDP2 = '''
 
