@@ -55,12 +55,26 @@ def _tiny_checkpoint(path):
     return model
 
 
-def test_fsdp2_script_resumes_after_a_kill_and_exports_for_from_pretrained(tmp_path):
+# What each script must say it does: built on the meta device, materialised per rank, gradients synced
+# on the last micro-batch only.
+_MARKERS = {"fsdp2": ("model.to_empty(", "set_requires_gradient_sync"),
+            "fsdp": ("module.to_empty(", "param_init_fn=materialise", "model.no_sync()"),
+            "ddp": ("model.to_empty(", "model.no_sync()")}
+
+
+# FSDP1's resume fails in set_state_dict: "Missing optimizer state for parameter
+# 'model.layers.0._fsdp_wrapped_module.self_attn.q_proj.weight'" (torch 2.13, use_orig_params, every-2
+# checkpointing; the FQN keeps FSDP's wrapper prefix on load). Open in issue #17.
+_FSDP1_RESUME = pytest.mark.xfail(strict=True, reason="FSDP1 script: DCP optimizer resume fails (issue #17)")
+
+
+@pytest.mark.parametrize("fmt", ["fsdp2", pytest.param("fsdp", marks=_FSDP1_RESUME), "ddp"])
+def test_script_resumes_after_a_kill_and_exports_for_from_pretrained(tmp_path, fmt):
     import torch
     from transformers import AutoModelForCausalLM
 
-    script, text = _script(tmp_path, "fsdp2")
-    assert 'with torch.device("meta")' in text and "model.to_empty(" in text and "set_requires_gradient_sync" in text
+    script, text = _script(tmp_path, fmt)
+    assert 'with torch.device("meta")' in text and all(marker in text for marker in _MARKERS[fmt])
     assert "if False" not in text and "CPUOffloadPolicy" not in text  # no offload planned: none written
     # Kill the whole job once the step-2 checkpoint is in; STEPS=100: far from its end.
     process = subprocess.Popen(torchrun_command([str(script)], 2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
