@@ -46,6 +46,21 @@ def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, nnodes: int 
     return subprocess.CompletedProcess(list(done.command), done.returncode, done.stdout, done.stderr)
 
 
+def measure_worker(configs: list[dict], folder: Path, nproc: int, timeout: float, env: dict | None = None) -> dict:
+    """One torchrun launch of shardfit.measure.worker over every configuration (launches cost seconds
+    each on CPU): label -> result. A configuration that raised fails here, with the rank's traceback."""
+    (folder / "configs.json").write_text(json.dumps(configs))
+    out = folder / "out.jsonl"
+    torchrun(["-m", "shardfit.measure.worker", str(folder / "configs.json"), str(out)], nproc=nproc, timeout=timeout,
+             env=env or test_env())
+    found = {}
+    for line in out.read_text().splitlines():
+        result = json.loads(line)
+        assert result["error"] is None, result.get("traceback") or result["error"]
+        found[result["label"]] = result
+    return found
+
+
 def run(command: list[str], timeout: float = 180, env: dict | None = None, cwd: Path | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
     """Run a command (a CLI that may itself start torchrun) in a process group of its own: at the

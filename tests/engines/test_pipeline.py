@@ -9,12 +9,11 @@ stage keeping every micro-batch's logits until the next step).
 """
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 from launch import test_env as launch_env
-from launch import torchrun
+from launch import measure_worker
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -36,17 +35,7 @@ CONFIGS = [{"label": f"pp2/{name}", "plan": _plan(name), "steps": STEPS, "repeat
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pp")
-    (folder / "configs.json").write_text(json.dumps(CONFIGS))
-    out = folder / "out.jsonl"
-    torchrun(["-m", "shardfit.measure.worker", str(folder / "configs.json"), str(out)], nproc=2, timeout=180,
-             env=launch_env())
-    found = {}
-    for line in out.read_text().splitlines():
-        result = json.loads(line)
-        assert result["error"] is None, result.get("traceback") or result["error"]
-        found[result["label"]] = result
-    return found
+    return measure_worker(CONFIGS, tmp_path_factory.mktemp("pp"), nproc=2, timeout=180, env=launch_env())
 
 
 def _reference_losses(plan_data: dict, steps: int) -> list[float]:

@@ -9,12 +9,11 @@ one gap named below.
 """
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 
-from launch import test_env as launch_env, torchrun
+from launch import measure_worker, test_env as launch_env
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -50,17 +49,7 @@ KNOWN_GAPS = {"fsdp2xtp/fp32/ac-none": {_BATCH}, "tiny-qwen2/fsdp2xtp/fp32": {_B
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tp")
-    (folder / "configs.json").write_text(json.dumps(CONFIGS))
-    out = folder / "out.jsonl"
-    torchrun(["-m", "shardfit.measure.worker", str(folder / "configs.json"), str(out)], nproc=4, timeout=240,
-             env=launch_env())
-    found = {}
-    for line in out.read_text().splitlines():
-        result = json.loads(line)
-        assert result["error"] is None, result.get("traceback") or result["error"]
-        found[result["label"]] = result
-    return found
+    return measure_worker(CONFIGS, tmp_path_factory.mktemp("tp"), nproc=4, timeout=240, env=launch_env())
 
 
 def _reference_losses(plan_data: dict, steps: int) -> list[float]:

@@ -4,11 +4,10 @@ unit. Tolerances as in the engine matrix: each phase/category term within 5% (or
 small), the peak within 5%. A term that misses is listed below with its mechanism, strictly both ways."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from launch import test_env as launch_env, torchrun
+from launch import measure_worker, test_env as launch_env
 
 pytestmark = pytest.mark.multirank
 
@@ -57,18 +56,8 @@ GAPS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fsdp-units")
     configs = [{"label": label, "plan": plan, "steps": 2} for label, plan in {**SEPARATE, **ROOT, **TIED}.items()]
-    (folder / "configs.json").write_text(json.dumps(configs))
-    out = folder / "out.jsonl"
-    torchrun(["-m", "shardfit.measure.worker", str(folder / "configs.json"), str(out)], nproc=2, timeout=600,
-             env=launch_env())
-    rows = {}
-    for line in out.read_text().splitlines():
-        row = json.loads(line)
-        assert row["error"] is None, row.get("traceback") or row["error"]
-        rows[row["label"]] = row
-    return rows
+    return measure_worker(configs, tmp_path_factory.mktemp("fsdp-units"), nproc=2, timeout=600, env=launch_env())
 
 
 def _peak(row) -> int:
