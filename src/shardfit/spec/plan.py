@@ -228,9 +228,8 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
-        # One batch per data-parallel rank: the tp x cp x pp ranks of a replica share theirs.
-        return (self.training.micro_batch * self.training.grad_accum * self.cluster.world_size
-                // self.parallelism.model_parallel)
+        t = self.training  # one batch per data-parallel rank: a replica's tp x cp x pp ranks share it
+        return t.micro_batch * t.grad_accum * self.cluster.world_size // self.parallelism.model_parallel
 
     def with_changes(self, **sections) -> "Plan":
         """Replace fields inside sections: plan.with_changes(training={"micro_batch": 2})."""
