@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,13 @@ def test_env(**extra: str) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
+
+
+def oom_exit_codes(stderr: str) -> list[int]:
+    """The exit codes torchrun's failure summary lists, one per rank that did not end with 0. After an
+    OOM, every rank ends with shardfit's code 3, or is stopped (SIGTERM, -15) by torchrun once a peer
+    has ended: which one a rank gets is the launcher's timing."""
+    return [int(code) for code in re.findall(r"^\s*exitcode\s*:\s*(-?\d+)", stderr, re.MULTILINE)]
 
 
 def torchrun(args: list[str], nproc: int = 2, timeout: float = 180, nnodes: int = 1, node_rank: int | None = None,

@@ -74,11 +74,31 @@ def main() -> None:
     torch.nn.modules.module.register_module_forward_pre_hook(on_forward)
     register_optimizer_step_post_hook(lambda *_: mark("step"))
     rank = int(os.environ.get("RANK", "0"))
-    with counter:
-        script.main()
+    # The script ends a CPU run with os._exit(0) (see SCRIPT_FINISH): here that returns, so the report is
+    # written, and this process ends the same way after it.
+    leave = os._exit
+    os._exit = _finished
+    try:
+        with counter:
+            script.main()
+    except _Finished:
+        pass
+    finally:
+        os._exit = leave
     # A file per rank: two ranks printing at once can interleave on one stdout line.
     with open(os.path.join(os.environ["REPORT_DIR"], f"report-{rank}.json"), "w") as handle:
         json.dump({"rank": rank, **report}, handle)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    leave(0)
+
+
+class _Finished(Exception):
+    pass
+
+
+def _finished(code):
+    raise _Finished(code)
 
 
 def micro_batch_counts(events: list, index: int = 1) -> list[list[int]]:

@@ -62,13 +62,7 @@ _MARKERS = {"fsdp2": ("model.to_empty(", "set_requires_gradient_sync"),
             "ddp": ("model.to_empty(", "model.no_sync()")}
 
 
-# FSDP1's resume fails in set_state_dict: "Missing optimizer state for parameter
-# 'model.layers.0._fsdp_wrapped_module.self_attn.q_proj.weight'" (torch 2.13, use_orig_params, every-2
-# checkpointing; the FQN keeps FSDP's wrapper prefix on load). Open in issue #17.
-_FSDP1_RESUME = pytest.mark.xfail(strict=True, reason="FSDP1 script: DCP optimizer resume fails (issue #17)")
-
-
-@pytest.mark.parametrize("fmt", ["fsdp2", pytest.param("fsdp", marks=_FSDP1_RESUME), "ddp"])
+@pytest.mark.parametrize("fmt", ["fsdp2", "fsdp", "ddp"])
 def test_script_resumes_after_a_kill_and_exports_for_from_pretrained(tmp_path, fmt):
     import torch
     from transformers import AutoModelForCausalLM

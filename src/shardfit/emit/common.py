@@ -208,3 +208,19 @@ def write_files(files: dict[str, str], target: str | os.PathLike, single: bool) 
     for tmp, path in written:
         os.replace(tmp, path)
     return paths
+
+
+# The end of every multi-rank script's main(), inserted into its dedented template (continuation lines carry
+# the indentation of their place there). Why the os._exit: a core dump of the abort showed gloo's worker
+# thread freeing a finished barrier (and the broadcast it held, with Python-owned tensors) while the
+# interpreter shut down; taking the GIL then ends the thread, and that aborts the rank (SIGABRT after a
+# complete run, 5 of 72 runs on a loaded 2-core CPU; torch 2.13).
+SCRIPT_FINISH = """dist.barrier()
+    dist.destroy_process_group()
+    if not cuda:
+        # gloo: a process-group thread can still be freeing the last collectives' tensors when the interpreter
+        # shuts down, and that aborts this rank after a complete run (torch 2.13). Everything is written and
+        # flushed by now: end without the interpreter's shutdown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)"""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
-from shardfit.emit.common import Emitted, EmitOptions, script_inputs
+from shardfit.emit.common import SCRIPT_FINISH, EmitOptions, Emitted, script_inputs
 from shardfit.emit.data_code import DATA_CODE
 from shardfit.emit.fsdp import RUN_DATA, RUN_IO, run_fields
 from shardfit.emit.fsdp_state import state_functions
@@ -28,6 +28,7 @@ _HEADER = '''    """DDP training script written by `shardfit emit --format ddp` 
     """
     import contextlib
     import os
+    import sys
     import time
 
     import torch
@@ -143,8 +144,7 @@ _MAIN = '''
         if cuda:
             peak = torch.cuda.max_memory_allocated(device) / 2**30
             print(f"rank {{rank}} peak allocated {{peak:.2f}} GiB", flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+        {finish}
 
 
     if __name__ == "__main__":
@@ -159,7 +159,8 @@ def ddp_script(plan: Plan, options: EmitOptions) -> str:
     header = textwrap.dedent(_HEADER).format(**run_fields(plan, options, config, lora), precision=plan.training.precision,
                                              loss_code=kernels.pop("loss_code"))
     main = textwrap.dedent(_MAIN).format(
-        **kernels, optimizer=optimizer_code(plan, "[p for p in model.parameters() if p.requires_grad]"))
+        **kernels, optimizer=optimizer_code(plan, "[p for p in model.parameters() if p.requires_grad]"),
+        finish=SCRIPT_FINISH)
     state = state_functions("init_weights", "load_weights", "newest_checkpoint", "save_checkpoint",
                             "load_checkpoint", "export_adapters")
     return header + DATA_CODE + textwrap.dedent(_DDP).format() + state + main

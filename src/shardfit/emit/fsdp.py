@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import textwrap
 
-from shardfit.emit.common import Emitted, EmitOptions, ac_every, block_class, model_functions, script_inputs
+from shardfit.emit.common import (
+    SCRIPT_FINISH,
+    EmitOptions,
+    Emitted,
+    ac_every,
+    block_class,
+    model_functions,
+    script_inputs,
+)
 from shardfit.emit.data_code import DATA_CODE
 from shardfit.emit.fsdp_state import STATE_CODE
 from shardfit.emit.kernels import script_fields
@@ -55,6 +63,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     """
     import contextlib
     import os
+    import sys
     import time
 
     import torch
@@ -221,12 +230,10 @@ _MAIN = '''
         # rank ever holds the whole model, in host RAM or on its device (torchtitan's order).
         with torch.device("meta"):
             model = build_model()
-        {head_setup}
-        if AC_EVERY:
-            apply_activation_checkpointing(model)
+        {head_setup}{ac_before}
         if PURE_BF16:
             model = model.to(torch.bfloat16)
-        model = parallelize(model, device, world)
+        model = parallelize(model, device, world){ac_after}
         if WEIGHTS:
             load_weights(model, WEIGHTS)
         # The optimizer comes after sharding so it holds the sharded parameters.
@@ -264,8 +271,7 @@ _MAIN = '''
         if cuda:
             peak = torch.cuda.max_memory_allocated(device) / 2**30
             print(f"rank {{rank}} peak allocated {{peak:.2f}} GiB", flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
+        {finish}
 
 
     if __name__ == "__main__":
@@ -278,6 +284,11 @@ _FP16_SCALER = ("from torch.distributed.fsdp.sharded_grad_scaler import ShardedG
 _FP16_STEP = ("scaler.unscale_(optimizer)\n        clip(model)\n        scaler.step(optimizer)\n"
               "        scaler.update()")
 _STEP = "clip(model)\n        optimizer.step()"
+# FSDP2 (torchtitan's order): checkpoint the blocks, then shard them. FSDP1: wrap, then checkpoint inside.
+_AC = "\n    if AC_EVERY:\n        apply_activation_checkpointing(model)"
+_AC_INSIDE_UNITS = ("\n    # FSDP1: checkpoint the blocks inside their FSDP units, after wrapping (torch's order): a checkpoint\n"
+                    "    # wrapper around a unit leaves \"_fsdp_wrapped_module\" in the optimizer state's names, and resume fails.\n"
+                    "    if AC_EVERY:\n        apply_activation_checkpointing(model)")
 
 
 def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) -> str:
@@ -319,7 +330,8 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
         **kernels, optimizer=optimizer_code(plan, "[p for p in model.parameters() if p.requires_grad]"),
         scaler_setup=_FP16_SCALER if fp16 else "# bf16 / fp32: no loss scaling",
         backward="scaler.scale(loss).backward()" if fp16 else "loss.backward()",
-        step_code=_FP16_STEP if fp16 else _STEP)
+        step_code=_FP16_STEP if fp16 else _STEP,
+        finish=SCRIPT_FINISH, ac_before=_AC if version == 2 else "", ac_after=_AC_INSIDE_UNITS if version == 1 else "")
     return header + DATA_CODE + textwrap.dedent(body) + STATE_CODE + main
 
 

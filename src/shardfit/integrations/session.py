@@ -26,13 +26,53 @@ from shardfit.units import fmt_bytes
 REPORT_FILE = "shardfit-memory.json"
 OOM_FILE = "shardfit-oom.json"
 OOM_EXIT_CODE = 3
-# Ranks that run out together each write their diagnosis; the lowest waits this long for the
-# others' before printing the worst (no collective is safe after an OOM).
+# Ranks that run out together each write their diagnosis and wait this long for the others' before
+# one of them prints the worst (no collective is safe after an OOM: files are the only channel).
 _OOM_GRACE_S = 1.0
+# How long a rank that does not print waits for the one that does (a diagnosis takes < 1 s).
+_OOM_PRINT_WAIT_S = 30.0
+# Before any model is built (this module is imported first): what "written by this job" is measured from.
+_STARTED = time.time()
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
+
+
+def _fresh(path: Path) -> bool:
+    """Written by this job: after this process started (a peer's file comes after its OOM, which comes
+    after every rank started; an earlier job's file in the same folder is older)."""
+    try:
+        return path.stat().st_mtime >= _STARTED
+    except OSError:
+        return False
+
+
+def _claim(path: Path) -> bool:
+    """True for exactly one caller per path: the file is created only if absent (O_EXCL); an earlier
+    job's is removed first."""
+    if path.exists() and not _fresh(path):
+        path.unlink(missing_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def _clear_earlier_oom(folder: Path) -> None:
+    """An earlier job's OOM files in this run's folder: this rank's record and any stale marker."""
+    (folder / f"rank-{_rank()}.json").unlink(missing_ok=True)
+    for marker in (folder / ".printer", folder / ".printed"):
+        if marker.exists() and not _fresh(marker):
+            marker.unlink(missing_ok=True)
+
+
+def _read_record(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def tracking_enabled(enabled: bool | None) -> bool:
@@ -84,6 +124,7 @@ class MemorySession:
             return
 
         self._install_excepthook()
+        _clear_earlier_oom(self.out_dir / "shardfit-oom")
         self.profiler = shardfit.profile(model, optimizer, budget_bytes=self.budget_bytes, explain_oom=False,
                                          label=self.framework)
         self.profiler.__enter__()
@@ -205,7 +246,8 @@ class MemorySession:
 
     def explain_oom(self, exc) -> dict:
         """This rank's diagnosis with fixes in the framework's terms, written to OUT/shardfit-oom/
-        rank-N.json; the lowest rank that ran out prints the worst rank's (once per job)."""
+        rank-N.json; the first rank to claim the job's printer (after a grace for the others) prints the
+        worst rank's, once per job, and the others wait for that before they end."""
 
         profiler, self.profiler = self.profiler, None
         if profiler is not None:
@@ -229,13 +271,18 @@ class MemorySession:
         folder = self.out_dir / "shardfit-oom"
         _atomic_write(folder / f"rank-{_rank()}.json", json.dumps(record, indent=1) + "\n")
         time.sleep(_OOM_GRACE_S)
-        written = sorted(folder.glob("rank-*.json"))
-        ranks = {int(p.stem.split("-")[1]): p for p in written}
-        if min(ranks) == _rank():
-            records = [json.loads(p.read_text()) for p in ranks.values()]
+        if _claim(folder / ".printer"):
+            records = [r for r in map(_read_record, filter(_fresh, folder.glob("rank-*.json"))) if r]
             worst = max(records, key=lambda r: (sum((r.get("live") or {}).values()), -r["rank"]))
             _atomic_write(self.out_dir / OOM_FILE, json.dumps(worst, indent=1) + "\n")
             print(self._oom_text(worst, len(records)), file=sys.stderr, flush=True)
+            _atomic_write(folder / ".printed", "")
+        else:
+            # Another rank prints: stay until it has, or the launcher, seeing this rank end, stops that one
+            # mid-print (a job that ran out and said nothing).
+            printed, deadline = folder / ".printed", time.monotonic() + _OOM_PRINT_WAIT_S
+            while not _fresh(printed) and time.monotonic() < deadline:
+                time.sleep(0.02)
         return record
 
     def _adjusted(self, diagnosis, plan, candidates):
