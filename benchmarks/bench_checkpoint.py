@@ -172,9 +172,12 @@ def steps_worker(args) -> None:
             engine.step()
             if saver.pending is not None and float(flag) == 0:
                 saver.finish()
-            if mode is not None and step % args.save_every == 0:
+            # Steady state: a save after steps 1, N+1, 2N+1, ... so each of the run's S/N saves has N
+            # steps to overlap, as in a long run (saving at N, 2N, ..., S would leave the last write
+            # with no step to hide behind, a cost of ending the run rather than of saving every N).
+            if mode is not None and (step - 1) % args.save_every == 0:
                 saver.save(step, Position())
-        saver.finish()
+        saver.close()  # as the loop ends a run: the write in flight published, retention's deletion done
         dist.barrier()
         return time.perf_counter() - start
 

@@ -117,6 +117,23 @@ def test_retention_counts_only_intact_checkpoints(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["step-3", "step-5", "step-6"]
 
 
+def test_retired_checkpoints_leave_every_listing_at_once_and_are_deleted_later(tmp_path):
+    from shardfit.train.checkpoint import delete_retired, list_checkpoints, retire
+    from shardfit.train.manifest import latest_valid
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        _checkpoint(root, step, bytes([step]) * 1000)
+    (root / ".trash-step-0").mkdir()  # what a run that died while deleting leaves
+    retired = retire(root, keep=1)
+    assert [p.name for p in retired] == ["step-1", "step-2"]
+    # Renamed, not yet deleted: no listing, resume or retention sees them.
+    assert [p.name for p in list_checkpoints(root)] == ["step-3"] and latest_valid(root).name == "step-3"
+    assert sorted(p.name for p in root.iterdir()) == [".trash-step-0", ".trash-step-1", ".trash-step-2", "step-3"]
+    delete_retired(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step-3"]
+
+
 def test_a_checkpoint_exception_is_described_by_its_os_error(tmp_path):
     import errno
 

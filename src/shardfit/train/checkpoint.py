@@ -117,11 +117,23 @@ def list_checkpoints(root: Path) -> list[Path]:
     return [folder for folder in step_folders(root) if (folder / MANIFEST).is_file()]
 
 
+TRASH = ".trash-"  # a checkpoint retention has let go of, renamed out of every listing, being deleted
+
+
 def prune(root: Path, keep: int) -> list[Path]:
     """Keep the newest `keep` checkpoints that are intact (sizes and checksums; checked once per
     process, on this rank alone); delete older intact ones and damaged ones older than the oldest
     kept. A damaged checkpoint never counts, so the newest intact one is never deleted for it.
     Returns what was deleted."""
+    doomed = retire(root, keep)
+    delete_retired(root)
+    return doomed
+
+
+def retire(root: Path, keep: int) -> list[Path]:
+    """prune's choice, renamed to `.trash-step-K` (one rename each: no listing, resume or retention
+    sees them again) but not yet deleted: `delete_retired` frees their bytes, possibly later, in
+    the background. Returns the checkpoints retired."""
     if not keep or keep <= 0:
         return []
     complete = list_checkpoints(root)
@@ -132,8 +144,16 @@ def prune(root: Path, keep: int) -> list[Path]:
     oldest = int(kept[0].name[5:])
     doomed = [p for p in complete if p not in kept and int(p.name[5:]) < oldest]
     for old in doomed:
-        shutil.rmtree(old, ignore_errors=True)
+        trash = old.with_name(TRASH + old.name)
+        shutil.rmtree(trash, ignore_errors=True)  # one left by a run that died while deleting it
+        os.replace(old, trash)
     return doomed
+
+
+def delete_retired(root: Path) -> None:
+    """Delete every retired checkpoint under root, including those a crashed run left."""
+    for trash in Path(root).glob(TRASH + "*"):
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def resolve_resume(ref: str, out_dir: Path, log=None, verify: bool = True) -> Path | None:

@@ -204,6 +204,7 @@ def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> lis
         if stopping and step + 1 < s.steps:
             with dog.watch(step + 1, "checkpoint save before stopping", scale=6):
                 saved = _stop_checkpoint(saver, saved, step + 1, batches.position)
+                saver.close()
             signum = slots.agreed_signal()
             if ctx.is_main:
                 preempt.write_marker(out, step + 1, signum, saved)
@@ -212,7 +213,7 @@ def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> lis
                 bar.close()
             raise preempt.Preempted(step + 1, signum, saved)
     with dog.watch(s.steps, "checkpoint publish (checksums, manifest)", scale=6):
-        saver.finish()
+        saver.close()
     dog.close()
     if bar is not None:
         bar.close()
