@@ -135,9 +135,14 @@ class Saver:
         self._deleted()
 
     def _deleted(self) -> None:
-        if self.deleting is not None:
-            self.deleting.join()
-            self.deleting = None
+        if self.deleting is None:
+            return
+        if self.deleting.is_alive():
+            # NOTE: no join: on a host busy with other work the idle-priority thread may get no core
+            # for seconds. What it has not deleted yet is deleted here, at this thread's priority
+            # (deleting is idempotent; the late thread only meets folders already gone).
+            ckpt.delete_retired(self.root)
+        self.deleting = None
 
     def _publish(self, step: int, tmp: Path, final: Path, fields: dict, written: dict,
                  background: bool = False) -> Path | None:
