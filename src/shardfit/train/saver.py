@@ -165,7 +165,7 @@ class Saver:
                     return
                 # Deleting a checkpoint frees its page cache and blocks: ~0.25 s for 670 MiB here, which
                 # every rank would wait for at the next collective. Between saves it runs in a thread
-                # that takes only idle cores (it has until the next save, which waits for it).
+                # that takes only idle cores (until the next save, which deletes whatever is left).
                 self.deleting = threading.Thread(target=_delete_idle, args=(self.root,), daemon=True,
                                                  name="shardfit-retention")
                 self.deleting.start()
