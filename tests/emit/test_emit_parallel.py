@@ -78,6 +78,16 @@ def test_launch_lines_need_your_script_and_carry_the_world(tmp_path):
     assert "train.py" in slurm
 
 
+def test_launch_lines_run_shardfit_train_for_a_plan_it_trains():
+    """FSDP2 x TP without sequence parallel and with the gathered-logits head is what `shardfit train`
+    runs (its 4-rank test: tests/train/test_train_tensor_parallel.py): no --entry needed."""
+    plan = _tp_plan().with_changes(parallelism=Parallelism(tp=2, loss_parallel=False))
+    run = emit(plan, "torchrun")
+    assert "-m shardfit train" in run.main and "--nproc-per-node 8" in run.main
+    with pytest.raises(ShardfitError, match="loss_parallel false"):
+        emit(_tp_plan().with_changes(parallelism=Parallelism(tp=2)), "torchrun")
+
+
 def test_data_parallel_plans_emit_as_before():
     plan = _tp_plan(tp=1).with_changes(parallelism=Parallelism())
     config = yaml.safe_load(emit(plan, "accelerate").main)

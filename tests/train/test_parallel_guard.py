@@ -1,5 +1,5 @@
-"""`shardfit train` refuses a tp/cp/pp plan with one line: its loop shards data, loss and eval over
-every rank, which would feed the ranks of one TP group different batches."""
+"""`shardfit train` refuses a layout its loop does not run (pp, cp, ep, sequence parallel; tp outside
+FSDP2) with one line, before it writes anything."""
 import pytest
 
 from shardfit.errors import ShardfitError
@@ -10,14 +10,20 @@ from shardfit.spec.plan import Cluster, Plan, parse_strategy
 torch = pytest.importorskip("torch")
 
 
-def test_train_refuses_model_parallel_plans(tmp_path):
+@pytest.mark.parametrize("strategy,parallelism,words", [
+    ("fsdp2", Parallelism(pp=2), "cp, pp, ep and sequence_parallel are for plan"),
+    ("fsdp2", Parallelism(tp=2, sequence_parallel=True), "cp, pp, ep and sequence_parallel are for plan"),
+    ("ddp", Parallelism(tp=2), "runs under fsdp2"),
+    ("fsdp2", Parallelism(tp=2), "loss_parallel false"),
+])
+def test_train_refuses_layouts_it_does_not_run(tmp_path, strategy, parallelism, words):
     from shardfit.engines.base import DistContext
     from shardfit.train.loop import train
 
-    plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
-                cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(tp=2))
+    plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy(strategy),
+                cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=parallelism)
     ctx = DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ShardfitError, match="runs data parallelism only so far") as info:
+    with pytest.raises(ShardfitError, match=words) as info:
         train(plan, tmp_path / "run", ctx=ctx)
     assert "\n" not in str(info.value)
     assert not (tmp_path / "run").exists()

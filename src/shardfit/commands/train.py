@@ -36,6 +36,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--seed", type=int)
     add_lora_arguments(group, base_default_text="fp32 for train")
     group.add_argument("--shard-group-size", type=int, dest="shard_group_size", help="HSDP: ranks per shard group")
+    group.add_argument("--tp", type=int, help="tensor-parallel degree (fsdp2 only): ranks of one node that share each "
+                       "layer, the rest data parallel; a checkpoint resumes under another --tp / --nproc")
     group.add_argument("--data", help="local .txt or .jsonl file (default: the embedded corpus)")
     group.add_argument("--tokenizer", help="local HF tokenizer directory (default: byte-level)")
     group.add_argument("--log-every", type=int, dest="log_every")

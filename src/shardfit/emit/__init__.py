@@ -16,6 +16,7 @@ from shardfit.emit.placeholders import mark_placeholders
 from shardfit.emit.single import emit_single
 from shardfit.emit.trainers import emit_hf_trainer, emit_lightning
 from shardfit.errors import ShardfitError
+from shardfit.spec.engine_rules import train_layout_error
 from shardfit.spec.parallelism import resolve
 from shardfit.spec.plan import Plan, is_selective_ac
 
@@ -65,9 +66,10 @@ def _check_layout_format(plan: Plan, key: str, options: EmitOptions) -> None:
         raise ShardfitError(f"--format {key} writes a data-parallel setup, but this plan is {layout}: use --format "
                             "fsdp2 (FSDP2 x TP, without pp / cp), accelerate (its ParallelismConfig: tp, cp) and "
                             "--format torchrun / slurm with --entry your script; or re-run fit with --data-parallel-only")
-    if key in ("torchrun", "slurm") and options.entry is None:
-        raise ShardfitError(f"`shardfit train` runs data-parallel plans only and this plan is {layout}: give --entry "
-                            "your training script (e.g. `accelerate launch` reading `shardfit emit --format accelerate`)")
+    if key in ("torchrun", "slurm") and options.entry is None and train_layout_error(plan):
+        raise ShardfitError(f"`shardfit train` cannot run this plan ({layout}): {train_layout_error(plan)}; or give "
+                            "--entry your training script (e.g. `accelerate launch` reading `shardfit emit --format "
+                            "accelerate`)")
 
 
 # Formats whose tool has no per-op selective checkpointing setting: they checkpoint whole blocks.

@@ -4,6 +4,7 @@ the sharded parameters."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from contextlib import contextmanager
 
 import torch
@@ -78,6 +79,10 @@ def setup(plan, model, ctx) -> base.Engine:
 
     def full_state():
         skip = base.tied_duplicates(base.unwrap(model))
+        if plan.parallelism.tp > 1:
+            # NOTE: gathering a (dp, tp) DTensor whole takes two all-gathers, which DTensor warns about
+            # on every rank; for an export that runs once this is the expected cost, not news.
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         for name, tensor in model.state_dict().items():
             if name in skip:
                 continue

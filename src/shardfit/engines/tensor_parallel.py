@@ -92,19 +92,40 @@ def _retie(model) -> None:
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_ over parameters on different meshes (2-D dp x tp DTensors next to 1-D dp ones,
-    which torch.stack cannot mix): each gradient's norm made a plain tensor first."""
+    """clip_grad_norm_ over parameters on different meshes (2-D dp x tp DTensors next to 1-D ones,
+    which torch.stack cannot mix), in one all-reduce: each rank adds the squares of its local shards,
+    each divided by the number of ranks holding that same shard (Replicate dimensions, ranks outside
+    its mesh), so the sum over the world counts every element once. (A DTensor norm per gradient
+    would all-reduce once per mesh dimension per parameter.)"""
+    import math
+
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float32)
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares = squares + norm.to(squares.device) ** 2
-    total = squares.sqrt()
+        if isinstance(grad, DTensor):
+            if any(placement.is_partial() for placement in grad.placements):
+                grad = grad.redistribute(placements=[p if not p.is_partial() else _replicate() for p in grad.placements])
+            # Ranks outside the gradient's mesh hold copies too: a norm's weight lives on the 1-D dp
+            # mesh, once per TP rank.
+            copies = dist.get_world_size() // grad.device_mesh.size() * math.prod(
+                grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements) if placement.is_replicate())
+            local = grad.to_local()
+        else:  # a plain tensor: the same on every rank
+            copies, local = dist.get_world_size(), grad
+        squares += torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2 / copies
+    dist.all_reduce(squares)
+    total = squares.sqrt().float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
-        grad.mul_(coef.to(grad.device).item() if isinstance(grad, DTensor) else coef.to(grad.device))
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coef.to(grad.device))
     return total
+
+
+def _replicate():
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()

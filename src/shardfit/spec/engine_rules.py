@@ -35,3 +35,19 @@ def engine_support_error(plan) -> str | None:
     if s.is_deepspeed and t.optimizer in ("adamw8bit", "adafactor") and s.offload_optimizer:
         return f"DeepSpeed optimizer offload runs its own CPU Adam: {t.optimizer} can't be offloaded; use adamw"
     return None
+
+
+def train_layout_error(plan) -> str | None:
+    """What `shardfit train`'s loop cannot run: it runs data parallelism under every engine and tp under
+    FSDP2 (a 2-D (dp, tp) mesh with the model's own TP plan, whose head gathers the logits)."""
+    par = plan.parallelism
+    if par.cp > 1 or par.pp > 1 or par.ep > 1 or par.sequence_parallel:
+        return ("`shardfit train` runs data and tensor parallelism (fsdp2 with parallelism.tp) so far: cp, pp, ep "
+                "and sequence_parallel are for plan and emit (docs/parallelism.md); set them to 1 / off")
+    if par.tp > 1 and plan.strategy.kind != "fsdp2":
+        return (f"tensor-parallel training runs under fsdp2 (FSDP2 x TP on a 2-D mesh), not {plan.strategy.label}: "
+                "use --strategy fsdp2, or --tp 1")
+    if par.tp > 1 and par.loss_parallel:
+        return ("the engine runs the model's own transformers TP plan, whose lm_head gathers the logits: set "
+                "parallelism.loss_parallel false")
+    return None

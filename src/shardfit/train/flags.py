@@ -13,6 +13,7 @@ class TrainFlags:
     model: str | None = None
     strategy: str | None = None
     shard_group_size: int | None = None
+    tp: int | None = None  # parallelism.tp: FSDP2 x TP on a 2-D (dp, tp) mesh
     # Plan fields set from the command line (train/launch.py PLAN_FLAGS says where each goes).
     micro_batch: int | None = None
     seq: int | None = None

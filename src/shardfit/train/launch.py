@@ -78,6 +78,9 @@ def plan_data(flags: TrainFlags) -> dict:
                                                                    "offload_optimizer", "offload_params", "nvme_path")})
     if flags.shard_group_size:
         data["strategy"]["shard_group_size"] = flags.shard_group_size
+    if flags.tp is not None:
+        # The engine runs the model's own TP plan, whose head gathers the logits (no vocab-parallel loss).
+        data["parallelism"] = {"loss_parallel": False, **dict(data.get("parallelism") or {}), "tp": flags.tp}
     for flag, section, key in (("micro_batch", "training", "micro_batch"), ("seq", "training", "seq_len"),
                                ("grad_accum", "training", "grad_accum"), ("precision", "training", "precision"),
                                ("ac", "training", "activation_checkpointing"), ("steps", "schedule", "steps"),

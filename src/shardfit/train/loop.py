@@ -25,6 +25,7 @@ from shardfit.data import DistributedBatches, collate, load_data
 from shardfit.engines.base import DistContext, init_distributed
 from shardfit.engines.chunked_loss import chunked_head, model_loss
 from shardfit.engines.dcp_io import close_async_writer
+from shardfit.engines.tensor_parallel import data_rank
 from shardfit.errors import ShardfitError
 from shardfit.measure.api import active_profiler
 from shardfit.modeling import build_model as build
@@ -33,6 +34,7 @@ from shardfit.train import faults, preempt, runlock
 from shardfit.train.export import copy_tokenizer_note, export_engine
 from shardfit.train.generate import engine_generate
 from shardfit.train.saver import Saver
+from shardfit.train.supervise import check_layout
 from shardfit.train.watchdog import Watchdog
 from shardfit.units import fmt_bytes
 
@@ -96,9 +98,7 @@ def build_model(plan):
 def train(plan, out_dir, options: RunOptions = RunOptions(), ctx: DistContext | None = None, model=None) -> list[dict]:
     ctx = ctx or init_distributed()
     out = Path(out_dir)
-    if plan.parallelism.model_parallel > 1:  # the loop shards data, loss and eval over every rank
-        raise ShardfitError("`shardfit train` runs data parallelism only so far: tp/cp/pp are for plan, and FSDP2 x TP "
-                            "runs under the profiling harness (docs/parallelism.md); set parallelism tp, cp, pp to 1")
+    check_layout(plan)
     if ctx.is_main:
         out.mkdir(parents=True, exist_ok=True)
     with runlock.held(out, ctx.is_main):  # one writer per run folder
@@ -118,7 +118,9 @@ def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> lis
     engine = engines.setup(plan, model, ctx)
     settle_garbage_collector()
     lengths = [len(e) for e in data.train]
-    batches = DistributedBatches(lengths, t.micro_batch, ctx.rank, ctx.world_size, s.seed)
+    # The ranks of one TP group read the same batch: the data splits over the dp ranks only.
+    shard = data_shard(plan, ctx)
+    batches = DistributedBatches(lengths, t.micro_batch, *shard, s.seed)
     # Identical randomness on every rank (dropout masks differ only through data).
     seed_everything(s.seed)
 
@@ -126,7 +128,7 @@ def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> lis
     path = ckpt.resolve_resume(options.resume, out, log=lambda text: _say(ctx, options, text)) if options.resume else None
     if path is not None:  # None: `--resume auto` found no checkpoint, a fresh start
         start, position = ckpt.load_checkpoint(engine, path)
-        batches = DistributedBatches(lengths, t.micro_batch, ctx.rank, ctx.world_size, s.seed, position=position)
+        batches = DistributedBatches(lengths, t.micro_batch, *shard, s.seed, position=position)
         _say(ctx, options, f"resumed from {path} at step {start}")
     if ctx.is_main:
         preempt.clear_marker(out)
@@ -161,7 +163,7 @@ def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> lis
             dist.all_reduce(reduced)  # SUM: gloo has no AVG
         stopping, writes_done = slots.read(reduced, 2)
         step_loss = float(reduced[0]) / (ctx.world_size * t.grad_accum)
-        tokens = int(reduced[1])
+        tokens = int(reduced[1]) // plan.parallelism.model_parallel  # each batch counted once per TP rank
         if not math.isfinite(step_loss):
             if s.nan_policy == "stop" or plan.strategy.is_deepspeed:
                 raise ShardfitError(f"loss is {step_loss} at step {step + 1}: lower the lr, use bf16 instead of fp16, "
@@ -238,6 +240,11 @@ def _stop_checkpoint(saver, saved, step: int, position):
     return saver.save(step, position, blocking=True)
 
 
+def data_shard(plan, ctx: DistContext) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number)."""
+    return data_rank(plan, ctx.rank), ctx.world_size // plan.parallelism.model_parallel
+
+
 def settle_garbage_collector() -> None:
     """Collect once, then move every object alive now (the model, the engine, the imported
     libraries: about a million with torch and transformers) out of the collector's reach. Without
@@ -256,13 +263,14 @@ def evaluate(engine, data, tokenizer, options: RunOptions) -> dict:
     """Validation loss over the first eval_batches global batches of the held-out split (the same
     examples every time), and a greedy sample from the prompt."""
     ctx, t = engine.ctx, engine.plan.training
-    span = t.micro_batch * ctx.world_size
+    rank, ranks = data_shard(engine.plan, ctx)
+    span = t.micro_batch * ranks
     count = max(1, min(options.eval_batches, len(data.val) // span))
     total = torch.zeros(1, dtype=torch.float64)
     with engine.inference() as model:
         head = chunked_head(model)  # the plan's loss, as in training
         for k in range(count):
-            start = k * span + ctx.rank * t.micro_batch
+            start = k * span + rank * t.micro_batch
             batch = collate(list(data.val[start:start + t.micro_batch]), data.pad_id)
             batch = {key: value.to(ctx.device) for key, value in batch.items()}
             total += float(model_loss(model, batch, head).float())

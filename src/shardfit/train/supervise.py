@@ -18,6 +18,7 @@ from shardfit.launcher import torchrun
 from shardfit.measure.oom import collect_run_diagnosis, diagnose, format_diagnosis, untracked_oom, write_rank_diagnosis
 from shardfit.measure.report import RankReport
 from shardfit.runtime_env import launch_env
+from shardfit.spec.engine_rules import train_layout_error
 from shardfit.train import preempt, runlock
 from shardfit.train.flags import TrainFlags
 from shardfit.train.manifest import MANIFEST, step_folders
@@ -27,10 +28,19 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "NCCL communicator was aborted")
 
 
+def check_layout(plan) -> None:
+    """The layouts the loop runs (spec/engine_rules.py): data parallel, and tp under FSDP2, where the
+    data, the loss and evaluation split over the dp ranks and a TP group reads one batch."""
+    error = train_layout_error(plan)
+    if error:
+        raise ShardfitError(error)
+
+
 def check_run(plan, flags: TrainFlags, inside: bool) -> None:
     """What only `train` needs from a Plan and its flags: checked before torchrun starts, one line each."""
     if flags.model is not None and not flags.model.strip():
         raise ShardfitError("--model is empty: give a preset name (see `shardfit models`), a config path or pkg.module:fn")
+    check_layout(plan)
     s = plan.schedule
     for name, value, low in (("steps", s.steps, 1), ("log_every", s.log_every, 0), ("eval_every", s.eval_every, 0),
                              ("save_every", s.save_every, 0), ("keep_checkpoints", s.keep_checkpoints, 0),
