@@ -18,8 +18,9 @@ rest: Korthikanti's 10 + 24/t split), then:
   and the fp32 partial output + log-sum-exp the ring accumulates;
 - "ideal" accounting: activations are the paper's formulas (estimate/korthikanti.py) instead.
 The reported estimate is the rank with the highest peak; `stage_estimates` gives every stage.
-Not modelled yet (issue 14): ep > 1, derived specs (traced coefficients cannot be sliced), TP's own
-communication buffers. No torch here.
+- expert parallel: the experts / ep on a rank, balanced routing (`_with_experts_sharded`).
+Not modelled yet (issue 14): derived specs (traced coefficients cannot be sliced), TP's own
+communication buffers, routing imbalance. No torch here.
 """
 from __future__ import annotations
 
@@ -39,14 +40,19 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def local_model(model: ModelSpec, layout: Layout, layers: int, first: bool, last: bool, tp: int | None = None) -> ModelSpec:
+def local_model(model: ModelSpec, layout: Layout, layers: int, first: bool, last: bool, tp: int | None = None,
+                ep: int = 1) -> ModelSpec:
     """The model one rank trains: `layers` blocks sliced over tp, the embedding if first, the final norm
-    and head if last. tp overrides the layout's (1: the unsliced stage, for sequence parallel)."""
+    and head if last. tp overrides the layout's (1: the unsliced stage, for sequence parallel). ep: the
+    rank's num_experts / ep experts of each MoE block (sliced over tp too: Megatron's default expert
+    tensor parallelism is the model's tp)."""
     t = layout.tp if tp is None else tp
     h, vocab = model.hidden_size, model.vocab_size
     linear_weights = sum(i * o * n for _, i, o, n in block_linears(model))
     colwise_bias = _colwise_biases(model, model.block_params - linear_weights)
     block = model.block_params - linear_weights - colwise_bias + (linear_weights + colwise_bias) // t
+    if ep > 1:
+        block -= expert_weights(model) // t - expert_weights(model) // (t * ep)
     embedding = vocab * h
     norm = h * (2 if model.norm == "layernorm" else 1)
     untied_head = 0 if model.tie_embeddings else embedding
@@ -66,11 +72,20 @@ def local_model(model: ModelSpec, layout: Layout, layers: int, first: bool, last
     largest = max([o * i // t for _, i, o, n in block_linears(model)] + [shard_rows if (first or last) else 0, 1])
     local_vocab = (_ceil_div(vocab, t) if layout.loss_parallel else vocab) if last else 0
     return replace(model, name=f"{model.name}[rank]", n_params=layers * block + non_block, num_layers=layers,
+                   num_experts=model.num_experts // ep,
                    num_heads=model.num_heads // t, num_kv_heads=(model.num_kv_heads or model.num_heads) // t,
                    head_dim=model.head_dim or h // max(model.num_heads, 1),
                    intermediate_size=model.intermediate_size // t if model.intermediate_size else 0,
                    vocab_size=local_vocab, block_params=block, non_block_params=non_block,
                    largest_layer_params=largest)
+
+
+def expert_weights(model: ModelSpec) -> int:
+    """The routed experts' weights in one block (their MLP linears, one copy per expert)."""
+    if not model.num_experts:
+        return 0
+    return sum(i * o * n for name, i, o, n in block_linears(model)
+               if n == model.num_experts and name in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _colwise_biases(model: ModelSpec, outside_weights: int) -> int:
@@ -167,10 +182,40 @@ def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int) -> i
     return layout.microbatches * (2 * layout.virtual - first - last) * boundary
 
 
+def _with_experts_sharded(plan, layout: Layout, est: Estimate, sharded: Estimate, tokens: int, d: int) -> Estimate:
+    """Expert parallelism on a rank: it holds num_experts / ep experts per MoE block and computes on the
+    b*s*top_k rows routed to them, which balanced routing makes as many as without EP, so the saved
+    activations are unchanged. What a unit gathers in forward and backward is the sharded model's
+    (temporaries). The states: FSDP2 shards the experts over dp_shard*cp/ep ranks (torchtitan's efsdp
+    mesh), so a rank holds (E/ep) / (S/ep) = E/S of them, as without EP; a replicating strategy holds
+    its E/ep. Plus one all-to-all's send buffer (the permuted rows, b*s*top_k*h) beside the received
+    copy the experts save, inside a MoE block in forward and in backward."""
+    states_from = est if plan.strategy.kind == "fsdp2" else sharded
+    a2a = tokens * max(plan.model.experts_per_token, 1) * plan.model.hidden_size * d
+    phases = {}
+    for name, cats in est.phases.items():
+        merged = {**states_from.phases[name], "activations": cats["activations"],
+                  "temporaries": sharded.phases[name]["temporaries"]}
+        if name in ("forward", "backward"):
+            merged["temporaries"] += a2a
+        phases[name] = merged
+    term = Term(name="parallel.ep_all_to_all", bytes=a2a, formula="b*(s/cp)*top_k*h*d (the dispatch's send buffer)",
+                inputs={"ep": layout.ep, "top_k": plan.model.experts_per_token},
+                source="balanced routing; torchtitan / Megatron token dispatch (all-to-all)")
+    note = (f"expert parallel: {plan.model.num_experts // layout.ep} of {plan.model.num_experts} experts per MoE "
+            f"block on each of ep = {layout.ep} ranks; ASSUMED balanced routing (every expert gets "
+            "b*s*top_k/num_experts rows); a real router's imbalance adds to the busiest rank's expert activations")
+    return replace(est, phases=phases, terms=est.terms + (term,), assumptions=(note,) + est.assumptions)
+
+
 def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
     model, t = plan.model, plan.training
     first, last = stage == 0, stage == layout.pp - 1
     rank_model, est = rank_estimate(layers, first, last, None)
+    if layout.ep > 1:
+        _, sharded = rank_estimate(layers, first, last, None, layout.ep)
+        est = _with_experts_sharded(plan, layout, est, sharded, t.micro_batch * (t.seq_len // layout.cp),
+                                    4 if t.precision == "fp32" else 2)
     one = _act_terms(est)
     scale = 1.0
     if layout.sequence_parallel:
@@ -263,19 +308,17 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
         raise ShardfitError(f"{model.name} is a derived spec (traced activations): tp/cp/pp estimates need a "
                             "hand-written family for now (llama, mistral, qwen2, gemma2, gpt2, ...)")
     layout = resolve(plan)
-    if layout.ep > 1:
-        raise ShardfitError("the estimator does not model expert parallelism yet (issue 14): set ep to 1")
     layers = stage_layers(model.num_layers, layout.pp, layout.virtual)
     explain = options.pop("explain", False)
     seen: dict = {}
     local: dict = {}
 
-    def rank_estimate(count: int, first: bool, last: bool, tp: int | None):
+    def rank_estimate(count: int, first: bool, last: bool, tp: int | None, ep: int = 1):
         # NOTE: stages that differ only in the micro-batches they hold in flight train the same
         # rank-local plan: it is built and estimated once (fit estimates hundreds of layouts).
-        key = (count, first, last, tp)
+        key = (count, first, last, tp, ep)
         if key not in local:
-            rank_model = local_model(model, layout, count, first, last, tp=tp)
+            rank_model = local_model(model, layout, count, first, last, tp=tp, ep=ep)
             local[key] = rank_model, estimate_fn(local_plan(plan, layout, rank_model), explain=True, **options)
         return local[key]
 

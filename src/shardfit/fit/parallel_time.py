@@ -19,6 +19,8 @@ that rank-local plan, on the links its dp group really uses; on top come:
 - PP: the schedule's bubble, (p - 1) / v micro-batch times of the slowest stage (Narayanan et al.
   2021: (p-1)/m of the step for 1F1B and GPipe, (p-1)/(v m) interleaved), plus the p2p activation /
   gradient sends, whose pipeline fill (p - 1 hops) is exposed and the rest overlapped;
+- EP: a MoE layer's token dispatch and combine, an all-to-all each way in forward and backward, each
+  b x (s/cp) x top_k x h x d x (ep-1)/ep per rank, exposed; the rank gathers and updates its experts / ep;
 - the slowest pipeline stage sets the pace (every stage waits for it).
 """
 from __future__ import annotations
@@ -71,7 +73,8 @@ def _seconds(link: str, volume: float, collectives: int, gpu, gpus_per_node: int
 def _stage_time(plan, layout, gpu, layers: int, first: bool, last: bool):
     """(StepTime of this pipeline rank without the bubble, one micro-batch's compute + TP seconds)."""
     m, t = plan.model, plan.training
-    rank = local_plan(plan, layout, local_model(m, layout, layers, first, last))
+    # Under ep the rank gathers, reduces and updates its experts / ep only (FSDP over the efsdp ranks).
+    rank = local_plan(plan, layout, local_model(m, layout, layers, first, last, ep=layout.ep))
     rank = replace(rank, cluster=_dp_cluster(plan, layout))
     base = steptime.step_time(rank, gpu)
     micro = layout.microbatches
@@ -123,6 +126,14 @@ def _stage_time(plan, layout, gpu, layers: int, first: bool, last: bool):
         sec = _seconds(link, hop * sends, sends, gpu, plan.cluster.gpus_per_node)
         fill = _seconds(link, hop * 2 * (layout.pp - 1), 2 * (layout.pp - 1), gpu, plan.cluster.gpus_per_node)
         parts["p2p"] = (sec, min(sec, fill + (1 - base_overlap(gpu)) * max(0.0, sec - fill)), hop * sends)
+    if layout.ep > 1 and m.num_experts:
+        # Token dispatch and combine: an all-to-all each way per MoE layer in forward, their gradients in
+        # backward (+ the recomputed forward's), each moving b*s*top_k*h*d (ep-1)/ep per rank, on the
+        # critical path (no overlap assumed). The ep ranks are dp_shard x cp ranks, tp apart.
+        calls = (2 + 2 + 2 * _recomputed_share(t.activation_checkpointing)) * layers * micro
+        volume = calls * (layout.ep - 1) / layout.ep * b * s * max(m.experts_per_token, 1) * m.hidden_size * d
+        sec = _seconds(_peer_link(plan, layout.tp * (layout.ep - 1)), volume, int(calls), gpu, plan.cluster.gpus_per_node)
+        parts["ep"] = (sec, sec, volume)
     exposed = sum(e for _, e, _ in parts.values())
     per_micro = (compute + parts.get("tp", (0, 0, 0))[1]) / micro
     st = replace(base, compute_s=compute, comm_s=base.comm_s + sum(s_ for s_, _, _ in parts.values()),
