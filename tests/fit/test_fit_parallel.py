@@ -88,6 +88,20 @@ def test_small_model_on_one_node_stays_data_parallel():
     assert any(n.startswith("data parallel fits and is fastest") for n in result.notes)
 
 
+def test_moe_searches_expert_parallel_inside_a_node_and_says_why():
+    """Mixtral-8x7B on 64 H100s: an expert-parallel layout gathers 1/ep of each block's experts, which
+    lets a larger micro-batch fit and moves fewer bytes than FSDP2 alone."""
+    spec = load_model_spec("mixtral-8x7b")
+    result = _fit("mixtral-8x7b", 64, 8, 4096, 64)
+    par = result.best.plan.parallelism
+    assert par.ep > 1, result.best.label
+    _check_valid(result.best.plan)
+    assert spec.num_experts % par.ep == 0 and par.tp * par.ep <= 8
+    assert any(n.startswith(f"ep={par.ep}: {spec.num_experts // par.ep} of {spec.num_experts} experts") for n in result.notes)
+    assert f"ep={par.ep}" in result.best.family
+    assert all(p.ep == 1 for p in layouts(load_model_spec("llama-3.1-70b"), result.request.base.cluster, 4096))
+
+
 @pytest.mark.parametrize("model,gpus,nodes,seq", [("llama-3.1-405b", 1024, 128, 8192), ("llama-3.1-70b", 64, 8, 8192),
                                                   ("llama-3.1-70b", 64, 8, 65536), ("qwen2.5-7b", 16, 2, 4096)])
 def test_every_layout_fit_considers_is_valid(model, gpus, nodes, seq):

@@ -10,8 +10,10 @@ activations), the vocab-parallel loss, 1F1B (torchtitan's default schedule). The
 each layout through the same activation-checkpointing x micro-batch bisection as every family, and
 the step-time model (fit/parallel_time.py) ranks them with the data-parallel plans.
 
-Not searched (yet): DDP / ZeRO-1 x TP, the interleaved and zero-bubble schedules, expert parallel,
-LoRA under tp / cp / pp, derived ("any model") specs.
+Expert parallelism for MoE models: ep degrees inside a node (with tp), borrowed from dp_shard x cp.
+
+Not searched (yet): DDP / ZeRO-1 x TP, the interleaved and zero-bubble schedules, LoRA under
+tp / cp / pp / ep, derived ("any model") specs.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from shardfit.units import fmt_bytes
 CP_MIN_SEQ = 16384
 MAX_PP = 32
 MAX_CP = 16
+MAX_EP = 64
 # Under a pipeline, a larger micro-batch buys no matmul efficiency once a micro-batch holds this many
 # tokens (fit/steptime.py EFFICIENCY_FULL_TOKENS) and only lengthens the bubble: not searched beyond.
 ORDER = 15  # after every data-parallel family (0-9): at equal step time the simpler plan wins
@@ -61,18 +64,31 @@ def layouts(model, cluster, seq_len: int) -> list[Parallelism]:
     for cp in cps:
         for pp in pps:
             for tp in tps:
-                if tp * pp * cp == 1 or world % (tp * pp * cp):
+                if world % (tp * pp * cp):
                     continue
                 if tp == 1 and pp > 1:
                     continue  # PP before TP is not the field's order (and DeepSpeed's pipeline is not searched)
                 sp = tp > 1 and (seq_len // cp) % tp == 0
-                out.append(Parallelism(tp=tp, sequence_parallel=sp, pp=pp, cp=cp))
+                for ep in _ep_degrees(model, world // (tp * pp), tp, cluster.gpus_per_node):
+                    if tp * pp * cp * ep == 1:
+                        continue  # plain data parallelism: the 1-D families
+                    out.append(Parallelism(tp=tp, sequence_parallel=sp, pp=pp, cp=cp, ep=ep))
     return out
+
+
+def _ep_degrees(model, shard_cp: int, tp: int, gpus_per_node: int) -> list[int]:
+    """1, and for an MoE model the expert-parallel degrees that divide its experts and the dp_shard x cp
+    ranks they borrow, inside a node with tp (the token all-to-all of every MoE layer, each way, in
+    forward and backward, needs the node's links: Mixtral's and Qwen-MoE's EP runs inside a node)."""
+    if not model.num_experts:
+        return [1]
+    return [1] + [e for e in _powers(min(model.num_experts, MAX_EP)) if model.num_experts % e == 0
+                  and shard_cp % e == 0 and tp * e <= gpus_per_node]
 
 
 def layout_label(par: Parallelism) -> str:
     parts = [f"tp={par.tp}" if par.tp > 1 else "", f"pp={par.pp}" if par.pp > 1 else "",
-             f"cp={par.cp}" if par.cp > 1 else ""]
+             f"cp={par.cp}" if par.cp > 1 else "", f"ep={par.ep}" if par.ep > 1 else ""]
     return LAYOUT_PREFIX + " ".join(p for p in parts if p)
 
 
@@ -138,6 +154,11 @@ def layout_notes(best, found: dict, smallest: dict, families: list[Family], usab
     if par.cp > 1:
         notes.append(f"cp={par.cp} for the {t.seq_len}-token sequence: {t.seq_len // par.cp} tokens per rank, ring "
                      f"K/V exchange behind attention ({dict(best.time.parts).get('cp', 0):.2f} s/step exposed)")
+    if par.ep > 1:
+        m = best.plan.model
+        notes.append(f"ep={par.ep}: {m.num_experts // par.ep} of {m.num_experts} experts per rank, so a unit gathers "
+                     f"1/{par.ep} of its experts; token all-to-all {dict(best.time.parts).get('ep', 0):.2f} s/step "
+                     "exposed (balanced routing assumed)")
     dp_ranks = cluster.world_size // par.model_parallel
     notes.append(f"dp={dp_ranks}: fsdp2 shards the states over dp x cp = {dp_ranks * par.cp} ranks "
                  f"(world {cluster.world_size} = dp {dp_ranks} x tp {par.tp} x pp {par.pp} x cp {par.cp})")
