@@ -8,7 +8,7 @@ import yaml
 
 from launch import load_benchmark, shardfit
 from shardfit.fit.steptime import step_time
-from shardfit.spec.device_profile import load_profile
+from shardfit.spec.device_profile import HOOK_NAMES, load_profile
 from shardfit.spec.gpus import get_gpu
 from shardfit.spec.plan import plan_from_dict
 
@@ -40,8 +40,13 @@ def test_calibrate_profile_round_trip(calibrated, tmp_path):
     hooks = profile.engine_hooks
     assert hooks["deepspeed"] and hooks["deepspeed_grad_hook"] >= 0 and hooks["deepspeed_zero3_fetch"] >= 0
     assert hooks["sac_dispatch_per_op"] > 0  # SAC's policy call per aten op, timed on this device
-    assert dict(rates.hooks) == {k: hooks[k] for k in ("deepspeed_grad_hook", "deepspeed_zero3_fetch",
-                                                       "sac_dispatch_per_op")}
+    # the eager host work per op of a transformers model, and the torch wrappers' per gradient / unit event
+    for name in ("eager_forward_op", "eager_backward_op", "eager_recompute_op", "ddp_grad_hook", "fsdp2_unit_event",
+                 "fsdp_unit_event", "fsdp2_step_param"):
+        assert hooks[name] > 0, name
+    assert hooks["fsdp2_param_event"] >= 0 and hooks["fsdp_param_event"] >= 0
+    assert 0 < hooks["eager_head_ops"] < 335  # the non-block ops of tiny-llama's forward
+    assert dict(rates.hooks) == {k: hooks[k] for k in HOOK_NAMES}
     assert "per ZeRO-3 submodule fetch" in stdout and "us per op" in stdout
     # fit and plan use the saved rates: fit's predicted step is the step-time model under this profile.
     fitted = json.loads(shardfit("fit", "tiny-llama", "--cpu", "--gpu", "custom:0.02", "--gpus", "2", "--seq", "64",

@@ -187,3 +187,59 @@ def test_selective_dispatch_adds_on_cpu_and_hides_behind_big_kernels_on_a_gpu():
                           hooks=(("sac_dispatch_per_op", 40e-6),))
     cpu = dc_replace(h100, measured=rates)
     assert sac_dispatch_seconds(tiny, cpu, block_forward_s=1.0) == pytest.approx(2 * 4 * ops * 40e-6 * 2)
+
+
+def _measured(device: str, **hooks):
+    from shardfit.spec.gpus import MeasuredRates
+
+    return replace(get_gpu("H100-80GB"), measured=MeasuredRates(
+        device=device, matmul=(("bf16", 64, 64, 1e-3), ("fp32", 64, 64, 1e-3)), memory_gbs=5.0,
+        links=(("intra", 1.0, 1e-4),), comm_overlap=0.0, host_link_gbs=None, optimizer_params_per_s=1e8,
+        cpu_adam_params_per_s=1e8, hooks=tuple(hooks.items())))
+
+
+def _tiny(strategy="ddp", ac="none", accum=1, **changes):
+    return Plan(model=load_model_spec("tiny-llama")).with_changes(
+        strategy=replace(parse_strategy(strategy), **changes), cluster={"nodes": 1, "gpus_per_node": 2},
+        training={"micro_batch": 1, "seq_len": 64, "precision": "fp32", "activation_checkpointing": ac,
+                  "grad_accum": accum})
+
+
+def test_eager_host_work_scales_with_the_traced_ops_and_hides_behind_big_kernels_on_a_gpu():
+    from shardfit.estimate.selective import selective_block_ops
+    from shardfit.fit.engine_overhead import eager_seconds
+
+    hooks = {"eager_forward_op": 5e-6, "eager_backward_op": 4e-6, "eager_recompute_op": 20e-6, "eager_head_ops": 50.0}
+    cpu = _measured("cpu", **hooks)
+    ops = selective_block_ops(load_model_spec("tiny-llama"), "fp32", "sdpa")
+    none = eager_seconds(_tiny(), cpu, 1.0, 1.0)
+    assert none == pytest.approx(4 * ops * 9e-6 + 50 * 9e-6)  # 4 blocks' forward + backward, and the head's
+    assert eager_seconds(_tiny(ac="full"), cpu, 1.0, 1.0) == pytest.approx(none + 4 * ops * 20e-6)
+    assert eager_seconds(_tiny(ac="every-2"), cpu, 1.0, 1.0) == pytest.approx(none + 2 * ops * 20e-6)
+    assert eager_seconds(_tiny(accum=4), cpu, 1.0, 1.0) == pytest.approx(4 * none)
+    # A GPU's host issues ahead: a block whose kernels outlast its dispatch exposes nothing of it.
+    gpu = _measured("cuda", **hooks)
+    assert eager_seconds(_tiny(), gpu, 1.0, 1.0) == pytest.approx(50 * 9e-6)
+    assert eager_seconds(_tiny(), gpu, 0.0, 0.0) == pytest.approx(none)
+    assert eager_seconds(_tiny(), get_gpu("H100-80GB"), 0.0, 0.0) == 0.0  # the catalog charges none
+
+
+def test_wrapper_host_work_per_gradient_and_per_unit_event():
+    from shardfit.fit.engine_overhead import trained_tensors, wrapper_seconds
+
+    cpu = _measured("cpu", ddp_grad_hook=20e-6, fsdp2_unit_event=800e-6, fsdp2_param_event=60e-6,
+                    fsdp_unit_event=900e-6, fsdp_param_event=15e-6, fsdp2_step_param=100e-6)
+    tensors = trained_tensors(_tiny())
+    assert wrapper_seconds(_tiny(accum=2), cpu, 0.0) == pytest.approx(2 * tensors * 20e-6)
+    units = 4 + 1  # the blocks and the root
+    event = 800e-6 + tensors / units * 60e-6
+    # FSDP2 resharding after forward: a forward and a backward all-gather per unit and micro-batch, one
+    # reduce-scatter per unit and step; and the DTensor step per parameter.
+    reshard = wrapper_seconds(_tiny("fsdp2", accum=2), cpu, 0.0)
+    assert reshard == pytest.approx(units * 2 * 2 * event + units * event + tensors * 100e-6)
+    kept = wrapper_seconds(_tiny("fsdp2", accum=2, reshard_after_forward=False), cpu, 0.0)
+    assert kept == pytest.approx(reshard - units * 2 * event)
+    fsdp1 = wrapper_seconds(_tiny("fsdp:shard_grad_op"), cpu, 0.0)
+    assert fsdp1 == pytest.approx(2 * units * (900e-6 + tensors / units * 15e-6))  # no DTensor step
+    assert wrapper_seconds(_tiny("fsdp2"), _measured("cuda", fsdp2_unit_event=800e-6), 1.0) == 0.0  # hidden
+    assert wrapper_seconds(_tiny("fsdp2"), get_gpu("H100-80GB"), 0.0) == 0.0

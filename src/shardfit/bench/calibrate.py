@@ -83,6 +83,12 @@ def summary(profile: DeviceProfile) -> list[str]:
 
 def hooks_line(hooks: dict) -> str:
     sac = (f"SAC {hooks['sac_dispatch_per_op'] * 1e6:.1f} us per op; " if "sac_dispatch_per_op" in hooks else "")
+    if "eager_forward_op" in hooks:
+        sac += (f"eager {hooks['eager_forward_op'] * 1e6:.1f} / {hooks['eager_backward_op'] * 1e6:.1f} / "
+                f"{hooks['eager_recompute_op'] * 1e6:.1f} us per forward / backward / recomputed op; ")
+    if "fsdp2_unit_micro" in hooks:
+        sac += (f"DDP {hooks['ddp_grad_hook'] * 1e6:.0f} us per gradient, FSDP2 {hooks['fsdp2_unit_micro'] * 1e6:.0f} "
+                f"and FSDP1 {hooks['fsdp_full_shard_unit_micro'] * 1e6:.0f} us per unit and micro-batch; ")
     if "deepspeed_grad_hook" not in hooks:
         return f"hooks      {sac}DeepSpeed's not measured (fit uses the published per-hook figures)"
     return (f"hooks      {sac}DeepSpeed {hooks.get('deepspeed', '?')}: {hooks['deepspeed_grad_hook'] * 1e6:.0f} us "

@@ -7,6 +7,9 @@ import statistics
 import time
 
 from shardfit import sac
+from shardfit.estimate.selective import selective_block_ops
+from shardfit.modeling import build_model
+from shardfit.spec.models import load_model_spec
 
 
 def say(ctx, text: str) -> None:
@@ -141,3 +144,116 @@ def sac_dispatch(ctx, device: str, sync) -> float:
     say(ctx, f"selective checkpointing: {per_op * 1e6:.1f} us of policy dispatch per op ({ops} ops, forward "
              "and recompute)")
     return per_op
+
+
+EAGER_ROUNDS = 40
+EAGER_MODEL = "tiny-llama"  # a transformers block as users run it: modules, rotary, SDPA, the loss
+
+
+def eager_dispatch(ctx, device: str, sync) -> dict:
+    """Seconds of eager host work per aten op of a transformers model's forward, with and without its
+    backward: tiny-llama at 1 x 8 tokens (the compute is nothing), forward with autograd recording,
+    then forward + backward, over the forward's aten ops. A small model's step on a CPU is mostly this
+    (the modules' Python, the dispatcher, autograd's graph and its backward); a GPU hides it behind
+    kernels longer than the launch (fit/engine_overhead.py scales it by each model's traced ops)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+
+    model = build_model(load_model_spec(EAGER_MODEL), device=ctx.device.type, dtype="fp32", seed=0,
+                        attn_implementation="sdpa").train()
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), device=ctx.device)
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        model(input_ids=ids, labels=ids)
+    ops = Count.ops
+
+    # One block's forward ops as the step-time model counts them (the same trace it scales by).
+    block_ops = selective_block_ops(load_model_spec(EAGER_MODEL), "fp32", "sdpa")
+
+    def forward():
+        model(input_ids=ids, labels=ids)
+
+    def both():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    def checkpointed():
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            both()
+        finally:
+            model.activation_checkpointing_disable()
+
+    times = {forward: [], both: [], checkpointed: []}
+    for fn in times:
+        for _ in range(3):
+            fn()
+    for _ in range(EAGER_ROUNDS):
+        for fn, values in times.items():
+            sync()
+            started = time.perf_counter()
+            fn()
+            sync()
+            values.append(time.perf_counter() - started)
+    seconds = {fn: statistics.median(values) for fn, values in times.items()}
+    per_forward = seconds[forward] / ops
+    per_backward = max(0.0, seconds[both] - seconds[forward]) / ops
+    # Full checkpointing: the recompute of every block plus torch.utils.checkpoint's own machinery
+    # (its saved-tensor hooks, the recompute's bookkeeping), per op of the blocks it recomputes.
+    recomputed = model.config.num_hidden_layers * block_ops
+    per_recomputed = max(0.0, seconds[checkpointed] - seconds[both]) / max(recomputed, 1)
+    say(ctx, f"eager host work: {per_forward * 1e6:.1f} us per forward op, {per_backward * 1e6:.1f} us for its "
+             f"backward, {per_recomputed * 1e6:.1f} us per checkpointed op ({EAGER_MODEL}, {ops} ops)")
+    # The ops outside the blocks (embedding, final norm, head, loss), counted on this model: the step-time
+    # model adds them to every model's blocks.
+    head_ops = max(0.0, ops - model.config.num_hidden_layers * block_ops)
+    return {"eager_forward_op": per_forward, "eager_backward_op": per_backward, "eager_recompute_op": per_recomputed,
+            "eager_head_ops": head_ops}
+
+
+def ddp_hook(ctx, device: str, sync, latency_s: float) -> dict:
+    """Seconds of DDP's host work per trained tensor beyond its all-reduce's latency (its autograd hook
+    copies each gradient into the bucket), on HOOK_LAYERS bias-free linears against the same model with
+    no wrapper; forward + backward timed, round-robin and medians, as for DeepSpeed's hooks. (FSDP's
+    per-unit work is measured through the engines on a transformers model: calibrate_engines.py.)"""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(HOOK_WIDTH, HOOK_WIDTH, bias=False)
+                                     for _ in range(HOOK_LAYERS)]).to(ctx.device)
+
+    batch = torch.randn(4, HOOK_WIDTH, device=ctx.device)
+    runs = {}
+    for name, m in (("plain", model()), ("ddp", DistributedDataParallel(model()))):
+        def backward(m=m):
+            m(batch).float().pow(2).mean().backward()
+            m.zero_grad(set_to_none=True)
+
+        for _ in range(HOOK_WARMUP_STEPS):
+            backward()
+        runs[name] = backward
+    times = {name: [] for name in runs}
+    for _ in range(HOOK_ROUNDS):
+        for name, fn in runs.items():
+            dist.barrier()
+            sync()
+            started = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - started)
+    seconds = {name: statistics.median(values) for name, values in times.items()}
+    # One bucket here (25 MiB holds every gradient), so one all-reduce.
+    ddp = max(0.0, seconds["ddp"] - seconds["plain"] - latency_s) / HOOK_LAYERS
+    say(ctx, f"DDP: {ddp * 1e6:.0f} us per gradient (forward + backward: none {seconds['plain'] * 1e3:.1f} ms, DDP "
+             f"{seconds['ddp'] * 1e3:.1f} ms over {HOOK_LAYERS} linears)")
+    return {"ddp_grad_hook": ddp}

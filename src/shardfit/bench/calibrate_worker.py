@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from shardfit.bench.calibrate_hooks import deepspeed_hooks, sac_dispatch, say
+from shardfit.bench.calibrate_engines import fsdp_units
+from shardfit.bench.calibrate_hooks import ddp_hook, deepspeed_hooks, eager_dispatch, sac_dispatch, say
 from shardfit.runtime_env import extensions_dir
 
 # Shapes per device: CPU ranks run thin matmuls at a few GFLOP/s; a GPU needs LLM-sized ones.
@@ -257,6 +258,10 @@ def main(argv=None) -> int:
     figures["host_link_gbs"] = host_copy(ctx, device, sync)
     figures["optimizer"], figures["cpu_adam"] = optimizers(ctx, device, sync)
     figures["engine_hooks"] = {"sac_dispatch_per_op": sac_dispatch(ctx, device, sync)}
+    figures["engine_hooks"].update(eager_dispatch(ctx, device, sync))
+    latency = figures["links"]["intra"]["latency_s"]
+    figures["engine_hooks"].update(ddp_hook(ctx, device, sync, latency))
+    figures["engine_hooks"].update(fsdp_units(ctx, device, sync, latency, figures["engine_hooks"]["ddp_grad_hook"]))
     figures["engine_hooks"].update(deepspeed_hooks(ctx, device, sync, figures["links"]["intra"]["latency_s"]) or {})
     if device != "cuda":
         figures["notes"] = ["host<->device copy not measured: on CPU the device is the host (offload copies are "

@@ -22,6 +22,15 @@ and again in the recompute (measured here: 70 calls per Llama block forward). A 
 Python on the cores that compute, so it adds; a GPU's host issues kernels ahead of the device, so only
 what a block's dispatch takes beyond its kernels' time is exposed (nothing for LLM-sized blocks).
 
+Eager execution itself costs host time per aten op (the modules' Python, the dispatcher, autograd's
+graph and its backward; torch.utils.checkpoint's hooks and the recompute per recomputed op), and the
+torch wrappers add theirs: DDP's autograd hook per gradient, FSDP1 / FSDP2 per unit event (each
+all-gather and reduce-scatter with its copy-in / copy-out and hook bookkeeping), FSDP2's optimizer
+step through DTensor per parameter. A small model's step on a CPU is mostly these (benchmarks/
+bench_fit_oracle.py: measured steps 2-4x the compute); for LLM-sized blocks on a GPU the host issues
+ahead of the kernels and only the excess is exposed. Only a calibrated profile carries them
+(`shardfit calibrate` measures each on the machine at hand); the catalog GPUs charge none.
+
 The catalog figures were measured by the published runs themselves (DeepSpeedExamples autotuning,
 16 x V100-32GB DGX-2, DeepSpeed of 2021, fp16, micro-batch 1-3 at seq 1024: benchmarks/
 published_throughput.yaml), where the runs differ in this term alone; `shardfit calibrate` measures
@@ -116,3 +125,59 @@ def sac_dispatch_seconds(plan: Plan, gpu: GPU, block_forward_s: float) -> float:
     on_the_device = gpu.measured is not None and gpu.measured.device == "cpu"
     exposed = dispatch if on_the_device else max(0.0, dispatch - block_forward_s)
     return 2 * blocks * exposed * t.grad_accum
+
+
+def eager_seconds(plan: Plan, gpu: GPU, block_forward_s: float, block_backward_s: float) -> float:
+    """Eager host work per optimizer step on one rank: the model's forward aten ops (each block's traced
+    count, times the layers, plus the non-block ops calibrate counted on its reference model), their
+    backward, and the recomputed blocks' ops, at the calibrated seconds per op. On a CPU device all of
+    it adds; on a GPU, per block, only what outlasts the block's kernels. 0 without a calibrated profile."""
+    m, t = plan.model, plan.training
+    measured = gpu.measured
+    if measured is None or not (m.has_shape and m.num_layers):
+        return 0.0
+    forward_op, backward_op = measured.hook("eager_forward_op", 0.0), measured.hook("eager_backward_op", 0.0)
+    recompute_op = measured.hook("eager_recompute_op", 0.0)
+    if not (forward_op or backward_op):
+        return 0.0
+    regime = precision_regime(t.precision, plan.strategy.kind, t.lora)
+    ops = selective_block_ops(m, regime, t.attention)
+    recomputed = checkpointed_blocks(m.num_layers, parse_activation_checkpointing(t.activation_checkpointing))
+    head_ops = measured.hook("eager_head_ops", 0.0)
+    on_the_device = measured.device == "cpu"
+
+    def exposed(host: float, device: float) -> float:
+        return host if on_the_device else max(0.0, host - device)
+
+    per_micro = (m.num_layers * (exposed(ops * forward_op, block_forward_s) + exposed(ops * backward_op, block_backward_s))
+                 + recomputed * exposed(ops * recompute_op, block_forward_s) + head_ops * (forward_op + backward_op))
+    return per_micro * t.grad_accum
+
+
+def fsdp_hook_prefix(plan: Plan) -> str | None:
+    """The profile's name for the plan's FSDP flavour (calibrate measures each), None for no FSDP."""
+    s = plan.strategy
+    if s.kind == "fsdp2":
+        return "fsdp2" if s.reshard_after_forward else "fsdp2_no_reshard"
+    if s.kind == "fsdp" and s.sharding != "no_shard":
+        return "fsdp_full_shard" if s.sharding in ("full_shard", "hybrid_shard") else "fsdp_shard_grad_op"
+    return None
+
+
+def wrapper_seconds(plan: Plan, gpu: GPU, block_s: float) -> float:
+    """The torch wrappers' host work per optimizer step on one rank, beyond their collectives' latency:
+    DDP's hook per gradient every micro-batch; FSDP's per unit (the blocks and the root) per micro-batch
+    and per step, as calibrate measured them through the engines (bench/calibrate_engines.py). block_s:
+    one block's device time per micro-batch, which a GPU hides a unit's host work behind."""
+    measured, t, m = gpu.measured, plan.training, plan.model
+    if measured is None or not m.has_shape:
+        return 0.0
+    if plan.strategy.kind == "ddp":
+        return trained_tensors(plan) * measured.hook("ddp_grad_hook", 0.0) * t.grad_accum
+    prefix = fsdp_hook_prefix(plan)
+    if prefix is None:
+        return 0.0
+    hidden = 0.0 if measured.device == "cpu" else block_s
+    units = (m.num_layers or 0) + 1
+    return units * (t.grad_accum * max(0.0, measured.hook(f"{prefix}_unit_micro", 0.0) - hidden)
+                    + max(0.0, measured.hook(f"{prefix}_unit_step", 0.0) - hidden))

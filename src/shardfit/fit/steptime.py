@@ -18,7 +18,7 @@ from shardfit.errors import ShardfitError
 
 from shardfit.estimate.states import lora_adapter_params, model_linears
 from shardfit.estimate.traffic import micro_batch_traffic_bytes
-from shardfit.fit.engine_overhead import host_seconds, sac_dispatch_seconds
+from shardfit.fit.engine_overhead import eager_seconds, host_seconds, sac_dispatch_seconds, wrapper_seconds
 from shardfit.fit.measured import measured_matmul_flops
 from shardfit.spec.gpus import GPU, get_gpu
 from shardfit.spec.plan import Plan, is_selective_ac, parse_activation_checkpointing
@@ -370,6 +370,7 @@ def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
     compute = flops / rate + memory
     backward = compute * backward_share(plan)
     block_forward = (compute - backward) / t.grad_accum / max(plan.model.num_layers, 1)
+    block_backward = backward / t.grad_accum / max(plan.model.num_layers, 1)
     hide_behind = {WINDOW_FORWARD: compute - backward, WINDOW_BACKWARD: backward,
                    WINDOW_BOUNDARY: backward / t.grad_accum, WINDOW_NONE: 0.0}
     comm_total = exposed = comm_bytes = 0.0
@@ -386,6 +387,8 @@ def step_time(plan: Plan, gpu: GPU | None = None) -> StepTime:
         exposed += fill + max(rest - overlap * hide_behind[part.window], (1 - overlap) * rest)
     return StepTime(compute_s=compute, memory_s=memory, comm_s=comm_total, exposed_comm_s=exposed,
                     offload_s=offload_seconds(plan, gpu), optimizer_s=optimizer_seconds(plan, gpu),
-                    host_s=host_seconds(plan, gpu) + sac_dispatch_seconds(plan, gpu, block_forward),
+                    host_s=(host_seconds(plan, gpu) + sac_dispatch_seconds(plan, gpu, block_forward)
+                            + eager_seconds(plan, gpu, block_forward, block_backward)
+                            + wrapper_seconds(plan, gpu, block_forward + block_backward)),
                     tokens=t.micro_batch * t.seq_len * t.grad_accum,
                     flops=flops, model_flops=model_flops, comm_bytes=comm_bytes, efficiency=eff)

@@ -16,7 +16,10 @@ from shardfit.spec.gpus import GPU, MeasuredRates
 from shardfit.spec.planfile import json_load_unique, yaml_load_unique
 
 PROFILE_VERSION = 1
-HOOK_NAMES = ("deepspeed_grad_hook", "deepspeed_zero3_fetch", "sac_dispatch_per_op")  # the engine_hooks figures the model reads
+HOOK_NAMES = ("deepspeed_grad_hook", "deepspeed_zero3_fetch", "sac_dispatch_per_op", "eager_forward_op",
+              "eager_backward_op", "eager_recompute_op", "eager_head_ops", "ddp_grad_hook",
+              *(f"{kind}_unit_{per}" for kind in ("fsdp2", "fsdp2_no_reshard", "fsdp_full_shard", "fsdp_shard_grad_op")
+                for per in ("micro", "step")))  # the engine_hooks figures the model reads
 FORMAT_KEY = "shardfit_device_profile"  # its value is the version
 
 
