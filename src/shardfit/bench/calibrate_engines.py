@@ -15,6 +15,12 @@ from __future__ import annotations
 import statistics
 import time
 
+from shardfit import engines
+from shardfit.fit.engine_overhead import trained_tensors
+from shardfit.modeling import build_model
+from shardfit.spec.models import load_model_spec
+from shardfit.spec.plan import Plan, parse_strategy
+
 ENGINE_MODEL = "tiny-llama"
 ENGINE_KINDS = ("ddp", "fsdp2", "fsdp2:no_reshard", "fsdp:full_shard", "fsdp:shard_grad_op")
 ENGINE_WARMUP = 3
@@ -23,9 +29,6 @@ ACCUMS = (1, 3)  # two accumulation lengths: their difference is the per-micro-b
 
 
 def _plan(kind: str, accum: int, ranks: int):
-    from shardfit.spec.models import load_model_spec
-    from shardfit.spec.plan import Plan, parse_strategy
-
     return Plan(model=load_model_spec(ENGINE_MODEL)).with_changes(
         strategy=parse_strategy(kind), cluster={"nodes": 1, "gpus_per_node": ranks},
         training={"micro_batch": 1, "seq_len": 8, "grad_accum": accum, "precision": "fp32",
@@ -39,9 +42,6 @@ def fsdp_units(ctx, device: str, sync, latency_s: float, ddp_hook_s: float) -> d
     import torch
     import torch.distributed as dist
 
-    from shardfit import engines
-    from shardfit.fit.engine_overhead import trained_tensors
-    from shardfit.modeling import build_model
 
     def one_step(engine, accum: int, ids):
         batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
