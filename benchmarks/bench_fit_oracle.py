@@ -36,7 +36,7 @@ GLOBAL_BATCH = 8  # sequences per optimizer step: 4 per rank
 BUDGET_BYTES = 20 * 2**20  # between the leanest plans (~3 MiB) and the fattest (~35 MiB): about half fit
 PICK_BAR = 0.95
 MARGIN = 0.0  # the pick is held to the budget itself: the memory estimate must keep it under, the ranking make it fastest
-WARMUP, STEPS = 2, 8  # medians of 8 steps: with 3 the same plan measured 57-68 ms in one job here
+WARMUP, STEPS = 2, 16  # medians of 16 steps: with 3 the same plan measured 57-68 ms in one job here, 60-75 with 8
 # FSDP1's full_shard / shard_grad_op price like FSDP2's two modes (fit's tie-break takes FSDP2): left out to
 # keep one run near 15 minutes on 2 shared cores.
 FULL_FAMILIES = ("ddp", "zero1", "zero2", "fsdp2:no_reshard", "zero3", "fsdp2", "zero3+offload")
