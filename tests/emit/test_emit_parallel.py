@@ -59,8 +59,16 @@ def test_fits_own_2d_pick_goes_through_accelerate(tmp_path):
 
 
 def test_pipeline_and_data_parallel_formats_refuse_in_one_line():
-    with pytest.raises(ShardfitError, match="no pipeline dimension"):
+    with pytest.raises(ShardfitError, match="no pipeline dimension") as info:
         emit(_tp_plan(tp=8, pp=2), "accelerate")
+    assert "`--pp 2`" in str(info.value)
+    moe = Plan(model=load_model_spec("mixtral-8x7b")).with_changes(
+        strategy=Strategy(kind="fsdp2"), cluster={"nodes": 8, "gpus_per_node": 8},
+        training={"micro_batch": 1, "seq_len": 4096}, parallelism=Parallelism(tp=2, ep=4))
+    with pytest.raises(ShardfitError, match="no expert-parallel dimension and this plan has ep=4"):
+        emit(moe, "accelerate")  # accelerate would run it without EP: refused, not written silently
+    with pytest.raises(ShardfitError, match="without pp / cp / ep"):
+        emit(moe, "fsdp2")
     for fmt in ("fsdp", "deepspeed", "hf-trainer", "lightning"):
         with pytest.raises(ShardfitError, match="data-parallel setup"):
             emit(_tp_plan(), fmt)

@@ -64,12 +64,11 @@ def _check_layout_format(plan: Plan, key: str, options: EmitOptions) -> None:
         return  # the FSDP2 x TP script (emit/fsdp.py)
     if key not in _LAYOUT_FORMATS:
         raise ShardfitError(f"--format {key} writes a data-parallel setup, but this plan is {layout}: use --format "
-                            "fsdp2 (FSDP2 x TP, without pp / cp), accelerate (its ParallelismConfig: tp, cp) and "
+                            "fsdp2 (FSDP2 x TP, without pp / cp / ep), accelerate (its ParallelismConfig: tp, cp) and "
                             "--format torchrun / slurm with --entry your script; or re-run fit with --data-parallel-only")
     if key in ("torchrun", "slurm") and options.entry is None and train_layout_error(plan):
-        raise ShardfitError(f"`shardfit train` cannot run this plan ({layout}): {train_layout_error(plan)}; or give "
-                            "--entry your training script (e.g. `accelerate launch` reading `shardfit emit --format "
-                            "accelerate`)")
+        raise ShardfitError(f"this plan is {layout}: {train_layout_error(plan)}; or give --entry your training script "
+                            "(e.g. `accelerate launch` reading `shardfit emit --format accelerate`)")
 
 
 # Formats whose tool has no per-op selective checkpointing setting: they checkpoint whole blocks.

@@ -109,7 +109,11 @@ def _parallelism_config(plan: Plan) -> tuple[dict, list[str]]:
     layout = resolve(plan)
     if layout.pp > 1:
         raise ShardfitError(f"accelerate's ParallelismConfig has no pipeline dimension and this plan has pp={layout.pp}: "
-                            "run it with torchtitan or Megatron-LM (`--pp {layout.pp}`), or fit without pipeline stages")
+                            f"run it with torchtitan or Megatron-LM (`--pp {layout.pp}`), or fit without pipeline stages")
+    if layout.ep > 1:
+        raise ShardfitError(f"accelerate's ParallelismConfig has no expert-parallel dimension and this plan has "
+                            f"ep={layout.ep}: run it with torchtitan or Megatron-LM (expert parallel {layout.ep}), or set "
+                            "parallelism.ep to 1 in the plan (fit --data-parallel-only searches no layout)")
     notes = []
     if layout.tp > 1:
         notes.append(f"accelerate shards tp={layout.tp} with the model's own transformers tp_plan (gathered logits, "
