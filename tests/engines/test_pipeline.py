@@ -22,8 +22,8 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 STEPS = 2
 
 
-def _plan(schedule: str) -> dict:
-    return {"model": "tiny-llama", "strategy": {"kind": "ddp"}, "cluster": {"nodes": 1, "gpus_per_node": 2},
+def _plan(schedule: str, strategy: str = "ddp", ranks: int = 2) -> dict:
+    return {"model": "tiny-llama", "strategy": {"kind": strategy}, "cluster": {"nodes": 1, "gpus_per_node": ranks},
             "training": {"micro_batch": 2, "grad_accum": 4, "seq_len": 64, "precision": "fp32",
                          "activation_checkpointing": "none"},
             "schedule": {"lr": 0.003, "warmup_steps": 0}, "parallelism": {"pp": 2, "pp_schedule": schedule}}
@@ -52,8 +52,11 @@ def _reference_losses(plan_data: dict, steps: int) -> list[float]:
                         attn_implementation=plan.training.attention)
     optimizer = build_optimizer(plan, model.parameters())
     scheduler = build_scheduler(plan, optimizer)
-    accum = plan.training.grad_accum
-    batches = [make_batch(plan, micro, 0, plan.model.vocab_size) for micro in range(accum)]
+    # Every dp replica's micro-batches, accumulated: the dp ranks' gradients averaged are that mean.
+    dp = plan.cluster.world_size // plan.parallelism.pp
+    batches = [make_batch(plan, micro, rank, plan.model.vocab_size) for rank in range(dp)
+               for micro in range(plan.training.grad_accum)]
+    accum = len(batches)
     losses = []
     for _ in range(steps):
         per_micro = []
@@ -65,7 +68,8 @@ def _reference_losses(plan_data: dict, steps: int) -> list[float]:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(sum(per_micro) / accum)
+        own = per_micro[:plan.training.grad_accum]  # what rank 0 logs: its own replica's micro-batches
+        losses.append(sum(own) / len(own))
     return losses
 
 
@@ -100,3 +104,44 @@ def test_each_rank_matches_its_stage_estimate(results, label):
         got, want = rank["phases"]["optimizer"], est.phases["optimizer"]
         for category in CATEGORIES:
             assert want[category] == pytest.approx(got[category], rel=0.01, abs=4096), (label, stage, category)
+
+
+DP_CONFIGS = [{"label": f"pp2xdp2/{strategy}", "plan": _plan("1f1b", strategy, ranks=4), "steps": STEPS,
+               "repeat_batch": True} for strategy in ("ddp", "fsdp2")]
+
+
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory):
+    return measure_worker(DP_CONFIGS, tmp_path_factory.mktemp("ppdp"), nproc=4, timeout=240, env=launch_env())
+
+
+@pytest.mark.parametrize("label", [c["label"] for c in DP_CONFIGS])
+def test_pipeline_with_data_parallel_stages_trains_like_plain_torch(dp_results, label):
+    """4 ranks, pp = 2 x dp = 2 (pp outermost): each stage's two replicas read different batches and
+    average their gradients (DDP's all-reduce, or FSDP2's reduce-scatter over the stage's dp ranks),
+    which is one process accumulating both replicas' micro-batches."""
+    config = next(c for c in DP_CONFIGS if c["label"] == label)
+    result = dp_results[label]
+    assert result["error"] is None, result.get("traceback") or result["error"]
+    losses = result["losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0]
+    assert losses == pytest.approx(_reference_losses(config["plan"], STEPS), rel=1e-4)
+    assert len(result["report"]["ranks"]) == 4
+
+
+@pytest.mark.parametrize("label", [c["label"] for c in DP_CONFIGS])
+def test_data_parallel_stages_hold_the_estimated_states(dp_results, label):
+    """Each rank's parameters and optimizer states are its stage's estimate (DDP: replicated, FSDP2:
+    halved over the stage's dp ranks) in every phase; the other categories: docs/parallelism.md."""
+    from shardfit.estimate.estimator import estimate
+    from shardfit.estimate.model_parallel import stage_estimates
+    from shardfit.measure.worker import load_plan
+
+    result = dp_results[label]
+    stages = stage_estimates(load_plan(result["plan"]), estimate, accounting="real", device="cpu", checkpoint="sharded")
+    for rank in result["report"]["ranks"]:
+        _, _, est = stages[rank["rank"] // 2]  # pp outermost: ranks 0, 1 are stage 0
+        for phase in ("forward", "backward", "optimizer"):
+            for category in ("params", "optimizer"):
+                got, want = rank["phases"][phase][category], est.phases[phase][category]
+                assert want == pytest.approx(got, rel=0.01), (label, rank["rank"], phase, category)

@@ -38,6 +38,10 @@ def test_pipeline_engine_refuses_what_it_does_not_run_in_one_line():
     plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
                 cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(tp=2, pp=2))
     ctx = DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ShardfitError, match="runs pp alone") as info:
+    with pytest.raises(ShardfitError, match="runs pp x dp") as info:
         check(plan, model, ctx)
     assert "\n" not in str(info.value)
+    zero = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("zero1"),
+                cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(pp=2))
+    with pytest.raises(ShardfitError, match="runs under ddp or fsdp2"):
+        check(zero, model, ctx)  # data parallel inside a stage: DDP or FSDP2 only

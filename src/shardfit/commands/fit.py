@@ -141,14 +141,25 @@ def run(args) -> int:
             print("\n".join(checked.time_lines(result)))
         if args.output and ok:
             plan = result.best.plan
-            if not plan.parallelism.is_default:  # a tp / pp / cp layout: only these formats carry it
-                print(f"wrote {args.output}: next `shardfit emit {args.output} --format fsdp2|accelerate|torchrun` "
+            if not plan.parallelism.is_default:  # a tp / pp / cp / ep layout: only these formats carry it
+                par = plan.parallelism
+                formats = "|".join(name for name, ok in (("fsdp2", par.pp == par.cp == par.ep == 1),
+                                                         ("accelerate", par.pp == par.ep == 1), ("torchrun", True)) if ok)
+                entry = "" if "fsdp2" in formats else " --entry your_script.py"
+                print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}{entry}` "
                       "(a data-parallel trainer: fit --data-parallel-only)", file=sys.stderr)
             else:
-                formats = "single|hf-trainer|..." if plan.strategy.kind == "single" else "deepspeed|fsdp2|..."
+                formats = NEXT_FORMATS.get("deepspeed" if plan.strategy.is_deepspeed else plan.strategy.kind,
+                                           "accelerate|torchrun")
                 print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}` "
                       f"or `shardfit train {args.output}`", file=sys.stderr)
     return 0 if ok else 1
+
+
+# What `emit` writes for each engine family (the others refuse the plan in one line), for fit's last line.
+NEXT_FORMATS = {"single": "single|hf-trainer|accelerate", "ddp": "ddp|accelerate|torchrun",
+                "fsdp": "fsdp|accelerate|lightning", "fsdp2": "fsdp2|accelerate|torchrun",
+                "deepspeed": "deepspeed|accelerate|hf-trainer"}
 
 
 def _from_setup(args, request):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -45,6 +46,11 @@ def setup(plan, model, ctx) -> base.Engine:
     mesh = base.device_mesh(ctx, base.hybrid_group(plan, ctx))
     if plan.parallelism.tp > 1:  # FSDP2 x TP: the blocks' linears sharded over tp first (tensor_parallel.py)
         mesh = tensor_parallel.apply(plan, model, ctx)
+        # NOTE: the gathered logits come out of the TP head as a view, and FSDP2 warns (on every rank) that an
+        # in-place op on it would skip its pre-backward hook. The loss reads the logits out of place
+        # (engines/chunked_loss.py): tp = 2 matches data parallel's losses and gradient norms (tests/train).
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
+                                category=UserWarning)
     kwargs = {"mesh": mesh, "mp_policy": policy}
     if offload is not None:
         kwargs["offload_policy"] = offload

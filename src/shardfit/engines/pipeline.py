@@ -6,7 +6,8 @@ a GPipe or 1F1B schedule runs the plan's micro-batches through the stages.
 The first stage owns the token embedding, the last the final norm, the head and the loss; every
 stage recomputes the rotary embedding and the causal mask from the sequence length (cheap, and no
 extra tensor crosses the stage boundary: only the hidden states, which is what the estimator's p2p
-buffers count). Pure pipeline so far: world = pp, no data / tensor parallel inside a stage.
+buffers count). Data parallel inside a stage (world = pp x dp, pp outermost): DDP or FSDP2 over the
+stage's dp ranks; no tensor / context parallel inside a stage yet.
 
 forward_backward(batch, last) collects micro-batches until `last`, then runs the whole schedule once
 (forward and backward of all of them): the plan's pp_microbatches are its grad_accum micro-batches.
@@ -58,10 +59,13 @@ class StageModule(torch.nn.Module):
 
 def check(plan, model, ctx) -> None:
     par = plan.parallelism
-    if par.tp > 1 or par.cp > 1 or par.ep > 1 or ctx.world_size != par.pp:
-        raise ShardfitError(f"the pipeline engine runs pp alone (world = pp) so far: pp = {par.pp} on "
-                            f"{ctx.world_size} ranks with tp = {par.tp}, cp = {par.cp}; tp/cp/dp x pp are plan / "
+    if par.tp > 1 or par.cp > 1 or par.ep > 1 or ctx.world_size % par.pp:
+        raise ShardfitError(f"the pipeline engine runs pp x dp (world = pp x dp) so far: pp = {par.pp} on "
+                            f"{ctx.world_size} ranks with tp = {par.tp}, cp = {par.cp}; tp/cp x pp are plan / "
                             "emit only (issue 14)")
+    if ctx.world_size > par.pp and plan.strategy.kind not in ("ddp", "fsdp2"):
+        raise ShardfitError(f"data parallel inside a pipeline stage runs under ddp or fsdp2, not "
+                            f"{plan.strategy.label}: use --strategy ddp or fsdp2")
     if par.pp_schedule not in SCHEDULES:
         raise ShardfitError(f"the pipeline engine runs {' and '.join(SCHEDULES)}; '{par.pp_schedule}' is plan only")
     if plan.training.lora is not None or plan.training.activation_checkpointing != "none":
@@ -75,17 +79,44 @@ def check(plan, model, ctx) -> None:
                             "rotary_emb): the pipeline engine cannot split it")
 
 
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _data_parallel(plan, module, mesh):
+    """The stage's data parallel over its dp ranks: DDP (the schedule's backward skips its all-reduce on
+    every micro-batch but the last) or FSDP2 on each block and the stage (torchtitan's composition;
+    the schedule defers resharding and the reduce-scatter to the last micro-batch)."""
+    if plan.strategy.kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=mesh.get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in module.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    return fully_shard(module, mesh=mesh, reshard_after_forward=False)
+
+
 def setup(plan, model, ctx) -> base.Engine:
     from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
 
     check(plan, model, ctx)
     layout = resolve(plan)
-    stage_index, stages = ctx.rank, layout.pp
+    stages = layout.pp
+    dp = ctx.world_size // stages
+    # pp outermost (torchtitan's order): the ranks of one stage are dp consecutive ranks, and the stage's
+    # dp index is the data rank (measure/worker.py and train read data by it).
+    stage_index, dp_index = divmod(ctx.rank, dp)
+    mesh = init_device_mesh(ctx.device.type, (stages, dp), mesh_dim_names=("pp", "dp"))
     counts = stage_layers(plan.model.num_layers, stages)
     first = sum(counts[:stage_index])
     module = StageModule(model, first, counts[stage_index], stage_index == 0, stage_index == stages - 1)
     module.to(ctx.device)
-    stage = pipelining.PipelineStage(module, stage_index, stages, ctx.device)
+    params = base.trainable_params(module)
+    wrapped = _data_parallel(plan, module, mesh["dp"]) if dp > 1 else module
+    stage = pipelining.PipelineStage(wrapped, stage_index, stages, ctx.device, group=mesh["pp"].get_group())
     vocab = model.config.vocab_size
 
     def loss_fn(logits, labels):
@@ -95,7 +126,7 @@ def setup(plan, model, ctx) -> base.Engine:
 
     schedule = getattr(pipelining, SCHEDULES[layout.schedule])(stage, n_microbatches=layout.microbatches,
                                                                 loss_fn=loss_fn)
-    params = base.trainable_params(module)
+    params = base.trainable_params(module)  # FSDP2's sharded parameters where it wrapped the stage
     optimizer = base.build_optimizer(plan, params)
     scheduler = base.build_scheduler(plan, optimizer)
     pending: list[dict] = []
@@ -117,21 +148,27 @@ def setup(plan, model, ctx) -> base.Engine:
             schedule.step(target=labels, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
-        # The mean micro-batch loss, known on the last stage: sent to every rank (the loop logs rank 0's).
+        # The mean micro-batch loss, known on the last stage: sent to the ranks of its pipeline (the
+        # loop averages over the dp replicas).
         loss = torch.stack([x.detach().float() for x in losses]).mean() if is_last else torch.zeros(())
-        dist.broadcast(loss, src=stages - 1)
+        dist.broadcast(loss, group=mesh["pp"].get_group(), group_src=stages - 1)
         return loss
+
+    # A replicated gradient (DDP) is on every dp rank of its stage, a sharded one (FSDP2) once: the
+    # squares summed over the world count each element once after dividing by its copies.
+    copies = dp if plan.strategy.kind == "ddp" else 1
 
     def step():
         grads = [p.grad for p in params if p.grad is not None]
-        local = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
+        local = torch.stack([torch.linalg.vector_norm(_local(g), dtype=torch.float32) ** 2 for g in grads]).sum()
+        local = local / copies
         dist.all_reduce(local)  # the global norm over every stage's parameters
         norm = local.sqrt()
         max_norm = plan.schedule.grad_clip
         if max_norm and max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for grad in grads:
-                grad.mul_(coef)
+                _local(grad).mul_(coef)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -74,7 +74,10 @@ def kernel_notes(search, best, request) -> list[str]:
                 if not search.fits(foreach) else "")
         notes.append(line + ("" if request.pins.optimizer_impl else " (--optimizer-impl to pin another)"))
     else:
-        notes.append(f"optimizer step: {impl}" + (" (as asked)" if request.pins.optimizer_impl else
-                                                  f" ({request.base.training.optimizer} brings its own kernel)" if request.base.training.optimizer != "adamw"
-                                                  else " (DeepSpeed's CPU Adam runs the offloaded step)"))
+        offloaded = plan.strategy.offload_optimizer or plan.strategy.offload_params
+        why = (" (as asked)" if request.pins.optimizer_impl else
+               f" ({t.optimizer} brings its own kernel)" if t.optimizer != "adamw" else
+               " (DeepSpeed's CPU Adam runs the offloaded step)" if offloaded and plan.strategy.is_deepspeed else
+               " (the offloaded step runs on the CPU)" if offloaded else "")
+        notes.append(f"optimizer step: {impl}{why}")
     return notes

@@ -265,7 +265,7 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
     per_rank = global_batch // world
     precision, loss_scaling, precision_note = _precision(request, search.gpu)
     notes = [precision_note,
-             f"global batch {global_batch} = micro-batch x accumulation x {world} GPUs ({per_rank} sequences per GPU)",
+             f"global batch {global_batch} = micro-batch x accumulation x {world} GPUs ({per_rank} sequence{'' if per_rank == 1 else 's'} per GPU)",
              f"usable memory {fmt_bytes(search.usable)} of {search.gpu.memory_gib:g} GiB "
              f"({options.margin:.0%} margin{'' if options.device == 'cuda' else ', tensor bytes only: CPU run'})",
              assumption_note(request, search.gpu)]
