@@ -4,11 +4,11 @@ the host work FSDP1 / FSDP2 add per unit, per micro-batch and per step, beyond D
 A unit's host work is more than its collectives' latency: the pre-forward hook's all-gather with its
 copy-in / copy-out, the recompute's forward hooks under checkpointing, the pre-backward unshard, the
 post-backward reduce-scatter and its copies, FSDP2's gradient clipping and optimizer step through
-DTensor. Bare linears miss the checkpointing and the per-parameter
-work of a real block, so the engines run tiny-llama (each block a unit) at 1 x 8 tokens, with full
-checkpointing, at accumulation 1 and 3, against DDP on the same model: the difference over the units,
-less DDP's gradient hooks and the extra collectives' latency (the step-time model charges those apart),
-is what fit/engine_overhead.py charges per unit.
+DTensor. Bare linears, one to a unit, miss the checkpointing and a real block's per-parameter work
+(they left FSDP plans ~25 ms under in the oracle), so the engines run tiny-llama (each block a unit) at
+1 x 8 tokens, with full checkpointing, at accumulation 1 and 3, against DDP on the same model: the
+difference over the units, less DDP's gradient hooks and the extra collectives' latency (the step-time
+model charges those apart), is what fit/engine_overhead.py charges per unit.
 """
 from __future__ import annotations
 
@@ -37,11 +37,9 @@ def _plan(kind: str, accum: int, ranks: int):
 
 def fsdp_units(ctx, device: str, sync, latency_s: float, ddp_hook_s: float) -> dict:
     """{"<kind>_unit_micro": s, "<kind>_unit_step": s} for each FSDP strategy: host seconds per unit per
-    micro-batch and per unit per optimizer step, beyond DDP's. Returns {} where an engine cannot be
-    built here."""
+    micro-batch and per unit per optimizer step, beyond DDP's."""
     import torch
     import torch.distributed as dist
-
 
     def one_step(engine, accum: int, ids):
         batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}

@@ -24,11 +24,11 @@ what a block's dispatch takes beyond its kernels' time is exposed (nothing for L
 
 Eager execution itself costs host time per aten op (the modules' Python, the dispatcher, autograd's
 graph and its backward; torch.utils.checkpoint's hooks and the recompute per recomputed op), and the
-torch wrappers add theirs: DDP's autograd hook per gradient, FSDP1 / FSDP2 per unit event (each
-all-gather and reduce-scatter with its copy-in / copy-out and hook bookkeeping), FSDP2's optimizer
-step through DTensor per parameter. A small model's step on a CPU is mostly these (benchmarks/
-bench_fit_oracle.py: measured steps 2-4x the compute); for LLM-sized blocks on a GPU the host issues
-ahead of the kernels and only the excess is exposed. Only a calibrated profile carries them
+torch wrappers add theirs: DDP's autograd hook per gradient; FSDP1 / FSDP2 per unit, per micro-batch
+and per step (the all-gathers and reduce-scatters with their copy-in / copy-out and hooks, the
+recompute's hooks, FSDP2's clipping and step through DTensor). A small model's step on a CPU is mostly
+these (benchmarks/bench_fit_oracle.py: measured steps 2-4x the compute); for LLM-sized blocks on a GPU
+the host issues ahead of the kernels and only the excess is exposed. Only a calibrated profile carries them
 (`shardfit calibrate` measures each on the machine at hand); the catalog GPUs charge none.
 
 The catalog figures were measured by the published runs themselves (DeepSpeedExamples autotuning,
