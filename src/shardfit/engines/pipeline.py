@@ -108,13 +108,12 @@ def setup(plan, model, ctx) -> base.Engine:
     dp = ctx.world_size // stages
     # pp outermost (torchtitan's order): the ranks of one stage are dp consecutive ranks, and the stage's
     # dp index is the data rank (measure/worker.py and train read data by it).
-    stage_index, dp_index = divmod(ctx.rank, dp)
+    stage_index = ctx.rank // dp
     mesh = init_device_mesh(ctx.device.type, (stages, dp), mesh_dim_names=("pp", "dp"))
     counts = stage_layers(plan.model.num_layers, stages)
     first = sum(counts[:stage_index])
     module = StageModule(model, first, counts[stage_index], stage_index == 0, stage_index == stages - 1)
     module.to(ctx.device)
-    params = base.trainable_params(module)
     wrapped = _data_parallel(plan, module, mesh["dp"]) if dp > 1 else module
     stage = pipelining.PipelineStage(wrapped, stage_index, stages, ctx.device, group=mesh["pp"].get_group())
     vocab = model.config.vocab_size
