@@ -12,10 +12,10 @@ model charges those apart), is what fit/engine_overhead.py charges per unit.
 """
 from __future__ import annotations
 
-import statistics
-import time
+from functools import partial
 
 from shardfit import engines
+from shardfit.bench.calibrate_hooks import round_robin
 from shardfit.fit.engine_overhead import trained_tensors
 from shardfit.modeling import build_model
 from shardfit.spec.models import load_model_spec
@@ -39,7 +39,6 @@ def fsdp_units(ctx, device: str, sync, latency_s: float, ddp_hook_s: float) -> d
     """{"<kind>_unit_micro": s, "<kind>_unit_step": s} for each FSDP strategy: host seconds per unit per
     micro-batch and per unit per optimizer step, beyond DDP's."""
     import torch
-    import torch.distributed as dist
 
     def one_step(engine, accum: int, ids):
         batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
@@ -57,16 +56,8 @@ def fsdp_units(ctx, device: str, sync, latency_s: float, ddp_hook_s: float) -> d
             for _ in range(ENGINE_WARMUP):
                 one_step(engine, accum, ids)
             runs[(kind, accum)] = engine
-    times = {key: [] for key in runs}
-    for _ in range(ENGINE_ROUNDS):
-        for key, engine in runs.items():
-            dist.barrier()
-            sync()
-            started = time.perf_counter()
-            one_step(engine, key[1], ids)
-            sync()
-            times[key].append(time.perf_counter() - started)
-    seconds = {key: statistics.median(values) for key, values in times.items()}
+    seconds = round_robin({key: partial(one_step, engine, key[1], ids) for key, engine in runs.items()}, sync,
+                          ENGINE_ROUNDS)
     reference = _plan("ddp", 1, ctx.world_size)
     units = reference.model.num_layers + 1  # the blocks and the root
     ddp_micro = trained_tensors(reference) * ddp_hook_s  # DDP's hooks, in its own micro-batch

@@ -17,6 +17,33 @@ def say(ctx, text: str) -> None:
         print(f"calibrate: {text}", flush=True)
 
 
+def round_robin(fns: dict, sync, rounds: int, barrier: bool = True) -> dict:
+    """{key: median seconds} of each function, timed in turns (so the load of a shared machine drifts over
+    all of them alike); with `barrier`, every rank starts each call together (collectives inside)."""
+    import torch.distributed as dist
+
+    times = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            if barrier:
+                dist.barrier()
+            sync()
+            started = time.perf_counter()
+            fn()
+            sync()
+            times[key].append(time.perf_counter() - started)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def linears(ctx):
+    """HOOK_LAYERS bias-free HOOK_WIDTH linears, seeded: the hook measurements' model."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(HOOK_WIDTH, HOOK_WIDTH, bias=False)
+                                 for _ in range(HOOK_LAYERS)]).to(ctx.device)
+
+
 # The hook measurement's model: many small linears, so the step is dominated by per-tensor and
 # per-submodule work and not by bytes or FLOPs (which the other figures already measure).
 HOOK_LAYERS = 24
@@ -43,15 +70,11 @@ def deepspeed_hooks(ctx, device: str, sync, latency_s: float) -> dict | None:
         return None
     import torch
 
-    import torch.distributed as dist
-
     deepspeed.init_distributed(dist_backend=ctx.backend)
     batch = torch.randn(4, HOOK_WIDTH, device=ctx.device)
     steps = {}
     for stage in (1, 2, 3):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(HOOK_WIDTH, HOOK_WIDTH, bias=False)
-                                      for _ in range(HOOK_LAYERS)]).to(ctx.device)
+        model = linears(ctx)
         zero = {"stage": stage, "overlap_comm": stage == 3, "contiguous_gradients": True,
                 "reduce_bucket_size": 10**8, "stage3_param_persistence_threshold": 0,
                 "stage3_prefetch_bucket_size": 10**8}
@@ -67,17 +90,7 @@ def deepspeed_hooks(ctx, device: str, sync, latency_s: float) -> dict | None:
         for _ in range(HOOK_WARMUP_STEPS):
             step()
         steps[stage] = step
-    # Round-robin over the three engines, so the load of a shared machine drifts over all of them alike.
-    times = {stage: [] for stage in steps}
-    for _ in range(HOOK_ROUNDS):
-        for stage, step in steps.items():
-            dist.barrier()
-            sync()
-            started = time.perf_counter()
-            step()
-            sync()
-            times[stage].append(time.perf_counter() - started)
-    seconds = {stage: statistics.median(values) for stage, values in times.items()}
+    seconds = round_robin(steps, sync, HOOK_ROUNDS)
     # ZeRO-3's collectives over ZeRO-2's two (one gradient reduction, one all-gather): every
     # parameter fits one prefetch bucket and one reduce bucket, so the first fetch plus one coalesced
     # all-gather in forward and one reduce-scatter in backward: one more (fit/steptime.py counts them so).
@@ -129,18 +142,11 @@ def sac_dispatch(ctx, device: str, sync) -> float:
     def selective():
         checkpoint(chain, x, use_reentrant=False, context_fn=sac.context_fn).sum().backward()
 
-    times = {plain: [], selective: []}
-    for fn in times:
+    for fn in (plain, selective):
         for _ in range(3):
             fn()
-    for _ in range(SAC_ROUNDS):
-        for fn, values in times.items():
-            sync()
-            started = time.perf_counter()
-            fn()
-            sync()
-            values.append(time.perf_counter() - started)
-    per_op = max(0.0, statistics.median(times[selective]) - statistics.median(times[plain])) / (2 * ops)
+    seconds = round_robin({"plain": plain, "selective": selective}, sync, SAC_ROUNDS, barrier=False)
+    per_op = max(0.0, seconds["selective"] - seconds["plain"]) / (2 * ops)
     say(ctx, f"selective checkpointing: {per_op * 1e6:.1f} us of policy dispatch per op ({ops} ops, forward "
              "and recompute)")
     return per_op
@@ -191,18 +197,11 @@ def eager_dispatch(ctx, device: str, sync) -> dict:
         finally:
             model.activation_checkpointing_disable()
 
-    times = {forward: [], both: [], checkpointed: []}
-    for fn in times:
+    for fn in (forward, both, checkpointed):
         for _ in range(3):
             fn()
-    for _ in range(EAGER_ROUNDS):
-        for fn, values in times.items():
-            sync()
-            started = time.perf_counter()
-            fn()
-            sync()
-            values.append(time.perf_counter() - started)
-    seconds = {fn: statistics.median(values) for fn, values in times.items()}
+    seconds = round_robin({forward: forward, both: both, checkpointed: checkpointed}, sync, EAGER_ROUNDS,
+                          barrier=False)
     per_forward = seconds[forward] / ops
     per_backward = max(0.0, seconds[both] - seconds[forward]) / ops
     # Full checkpointing: the recompute of every block plus torch.utils.checkpoint's own machinery
@@ -224,17 +223,11 @@ def ddp_hook(ctx, device: str, sync, latency_s: float) -> dict:
     no wrapper; forward + backward timed, round-robin and medians, as for DeepSpeed's hooks. (FSDP's
     per-unit work is measured through the engines on a transformers model: calibrate_engines.py.)"""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(HOOK_WIDTH, HOOK_WIDTH, bias=False)
-                                     for _ in range(HOOK_LAYERS)]).to(ctx.device)
 
     batch = torch.randn(4, HOOK_WIDTH, device=ctx.device)
     runs = {}
-    for name, m in (("plain", model()), ("ddp", DistributedDataParallel(model()))):
+    for name, m in (("plain", linears(ctx)), ("ddp", DistributedDataParallel(linears(ctx)))):
         def backward(m=m):
             m(batch).float().pow(2).mean().backward()
             m.zero_grad(set_to_none=True)
@@ -242,16 +235,7 @@ def ddp_hook(ctx, device: str, sync, latency_s: float) -> dict:
         for _ in range(HOOK_WARMUP_STEPS):
             backward()
         runs[name] = backward
-    times = {name: [] for name in runs}
-    for _ in range(HOOK_ROUNDS):
-        for name, fn in runs.items():
-            dist.barrier()
-            sync()
-            started = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - started)
-    seconds = {name: statistics.median(values) for name, values in times.items()}
+    seconds = round_robin(runs, sync, HOOK_ROUNDS)
     # One bucket here (25 MiB holds every gradient), so one all-reduce.
     ddp = max(0.0, seconds["ddp"] - seconds["plain"] - latency_s) / HOOK_LAYERS
     say(ctx, f"DDP: {ddp * 1e6:.0f} us per gradient (forward + backward: none {seconds['plain'] * 1e3:.1f} ms, DDP "
