@@ -22,9 +22,9 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
 STEPS = 2
 
 
-def _plan(schedule: str, strategy: str = "ddp", ranks: int = 2) -> dict:
+def _plan(schedule: str, strategy: str = "ddp", ranks: int = 2, precision: str = "fp32") -> dict:
     return {"model": "tiny-llama", "strategy": {"kind": strategy}, "cluster": {"nodes": 1, "gpus_per_node": ranks},
-            "training": {"micro_batch": 2, "grad_accum": 4, "seq_len": 64, "precision": "fp32",
+            "training": {"micro_batch": 2, "grad_accum": 4, "seq_len": 64, "precision": precision,
                          "activation_checkpointing": "none"},
             "schedule": {"lr": 0.003, "warmup_steps": 0}, "parallelism": {"pp": 2, "pp_schedule": schedule}}
 
@@ -106,8 +106,11 @@ def test_each_rank_matches_its_stage_estimate(results, label):
             assert want[category] == pytest.approx(got[category], rel=0.01, abs=4096), (label, stage, category)
 
 
-DP_CONFIGS = [{"label": f"pp2xdp2/{strategy}", "plan": _plan("1f1b", strategy, ranks=4), "steps": STEPS,
-               "repeat_batch": True} for strategy in ("ddp", "fsdp2")]
+DP_CONFIGS = [{"label": f"pp2xdp2/{strategy}/{precision}", "plan": _plan("1f1b", strategy, ranks=4, precision=precision),
+               "steps": STEPS, "repeat_batch": True}
+              for strategy in ("ddp", "fsdp2") for precision in ("fp32", "bf16")]
+# Phase totals within 5% of the stage's estimate; FSDP2 in bf16 is not there yet (docs/parallelism.md).
+DP_TOTALS = {"pp2xdp2/ddp/fp32", "pp2xdp2/fsdp2/fp32", "pp2xdp2/ddp/bf16"}
 
 
 @pytest.fixture(scope="module")
@@ -125,14 +128,20 @@ def test_pipeline_with_data_parallel_stages_trains_like_plain_torch(dp_results, 
     assert result["error"] is None, result.get("traceback") or result["error"]
     losses = result["losses"]
     assert len(losses) == STEPS and losses[-1] < losses[0]
-    assert losses == pytest.approx(_reference_losses(config["plan"], STEPS), rel=1e-4)
+    # bf16: the stage runs under autocast (DDP) or FSDP2's bf16 parameters, the reference in fp32.
+    tolerance = 1e-4 if label.endswith("fp32") else 2e-2
+    assert losses == pytest.approx(_reference_losses(config["plan"], STEPS), rel=tolerance)
+    if label.endswith("bf16"):
+        fp32 = dp_results[label.replace("bf16", "fp32")]["losses"]
+        assert losses != pytest.approx(fp32, rel=1e-6), "bf16 ran the same arithmetic as fp32"
     assert len(result["report"]["ranks"]) == 4
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in DP_CONFIGS])
 def test_data_parallel_stages_hold_the_estimated_states(dp_results, label):
     """Each rank's parameters and optimizer states are its stage's estimate (DDP: replicated, FSDP2:
-    halved over the stage's dp ranks) in every phase; the other categories: docs/parallelism.md."""
+    halved over the stage's dp ranks) in every phase, the optimizer step's every category within 1%, and
+    (DP_TOTALS) each phase's total within 5%; the split inside forward / backward: docs/parallelism.md."""
     from shardfit.estimate.estimator import estimate
     from shardfit.estimate.model_parallel import stage_estimates
     from shardfit.measure.worker import load_plan
@@ -145,3 +154,11 @@ def test_data_parallel_stages_hold_the_estimated_states(dp_results, label):
             for category in ("params", "optimizer"):
                 got, want = rank["phases"][phase][category], est.phases[phase][category]
                 assert want == pytest.approx(got, rel=0.01), (label, rank["rank"], phase, category)
+            got, want = rank["phases"][phase], est.phases[phase]
+            if phase == "optimizer" and label in DP_TOTALS:
+                for category in CATEGORIES:
+                    assert want[category] == pytest.approx(got[category], rel=0.01, abs=4096), \
+                        (label, rank["rank"], category, got, want)
+            if label in DP_TOTALS:
+                assert sum(want[c] for c in CATEGORIES) == pytest.approx(sum(got[c] for c in CATEGORIES), rel=0.05), \
+                    (label, rank["rank"], phase, got, want)

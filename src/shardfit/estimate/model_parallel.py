@@ -33,7 +33,7 @@ from shardfit.estimate.result import Estimate, Term
 from shardfit.estimate.states import block_linears
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.parallelism import Layout, Parallelism, in_flight_microbatches, resolve, stage_layers
-from shardfit.spec.plan import Cluster, is_selective_ac, parse_activation_checkpointing
+from shardfit.spec.plan import Cluster, Strategy, is_selective_ac, parse_activation_checkpointing
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -118,6 +118,10 @@ def local_plan(plan, layout: Layout, model: ModelSpec):
         s = replace(s, sharding="hybrid_shard", shard_group_size=shard)
     elif s.kind == "fsdp2":
         s = replace(s, sharding="full_shard", shard_group_size=None)
+    if s.kind == "ddp" and ranks == 1:
+        # One rank per stage (or per TP group): no replica to reduce with, so no wrapper and no reducer
+        # bucket (engines/pipeline.py runs the stage bare), which is `single`.
+        s = Strategy(kind="single")
     training = replace(plan.training, seq_len=plan.training.seq_len // layout.cp)
     return replace(plan, model=model, cluster=cluster, strategy=s, training=training, parallelism=Parallelism())
 
@@ -226,7 +230,10 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     per_micro = _paper_activations(plan, layout, layers, first, last) if paper else one * scale
     d = 4 if t.precision == "fp32" else 2
     b, s = t.micro_batch, t.seq_len // layout.cp
-    p2p = pipeline_buffers(plan, layout, first, last, d)
+    # The residual stream's dtype: fp32 under autocast (the adds promote), the parameters' under
+    # FSDP's mixed precision. What crosses a stage boundary (the p2p buffers) is that stream.
+    res = 4 if (t.precision == "fp32" or (plan.strategy.kind in ("ddp", "single") and t.precision != "bf16-pure")) else 2
+    p2p = pipeline_buffers(plan, layout, first, last, res)
     # The last stage's output (the logits) of each micro-batch in flight, which the stage keeps in its
     # forward cache to run that micro-batch's backward from the loss; the rank-local data-parallel
     # profile frees the logits at the loss. Measured: +2% over on tiny-llama under 1F1B and GPipe.
@@ -237,7 +244,6 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # Ring attention: K and V chunks of s/cp tokens, the rank's own and the arriving one (double
     # buffer), and the fp32 partial output + log-sum-exp merged after every step.
     ring = (4 * b * s * kvd * d + b * s * (qd + model.num_heads // layout.tp) * 4) if layout.cp > 1 else 0
-    res = 4 if (t.precision == "fp32" or (plan.strategy.kind in ("ddp", "single") and t.precision != "bf16-pure")) else 2
     # Measured (FSDP2 x TP, 4 CPU ranks): the embedding's all-reduced output (RowwiseParallel's
     # Partial -> Replicate) is held by the functional collective's wrapper, which the tracker sees as
     # a temporary although block 0 saves it.
@@ -252,13 +258,30 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # zero_grad(set_to_none)), unless the gradients outweigh the m - 1 micro-batches freed by then.
     # Measured (tests/engines/test_pipeline.py): 0 and 45,056 B of 451,584 B of gradients at that peak.
     no_grads = layout.pp > 1 and layout.schedule == "gpipe" and per_micro * (in_flight - 1) >= est.phases["backward"]["grads"]
+    # With the reshard and reduce-scatter deferred, every unit of the stage stays gathered from its
+    # first forward to the last micro-batch's backward and no gradient is reduced before then: the
+    # stage runs like an unwrapped replica whose parameters are gathered copies. Its forward and
+    # backward split is DDP's with the gathered stage (params x param dtype) in place of the
+    # reducer's bucket. Measured (pp 2 x dp 2, fp32): FSDP2's temporaries equal DDP's to 4 B.
+    replica = None
+    if held:
+        _, ddp = rank_estimate(layers, first, last, None, 1, "ddp")
+        gathered = rank_model.n_params * d - ddp.term("temporaries.ddp_buckets").bytes
+        replica = {name: {"activations": ddp.phases[name]["activations"],
+                          "temporaries": ddp.phases[name]["temporaries"] + gathered}
+                   for name in ("forward", "backward")}
     phases = {}
     for name, cats in est.phases.items():
         cats = dict(cats)
+        if replica and name in replica:
+            cats.update(replica[name])
         if name in ("forward", "backward") and no_grads:
             cats["grads"] = 0
         if name in ("forward", "backward") and held:
-            cats["grads"] += held
+            # Until the last micro-batch's reduce-scatter the stage's gradients are only these unsharded
+            # ones (the sharded ones of the step before were set to None; the unit's own unsharded grads
+            # are the same buffers). Measured (pp 2 x dp 2): 451,584 B in both phases, = held.
+            cats["grads"] = held
         if name in ("forward", "backward", "optimizer"):  # allocated by the first step, kept for the next
             cats["temporaries"] += p2p
         if name in ("forward", "backward"):
@@ -313,13 +336,16 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
     seen: dict = {}
     local: dict = {}
 
-    def rank_estimate(count: int, first: bool, last: bool, tp: int | None, ep: int = 1):
+    def rank_estimate(count: int, first: bool, last: bool, tp: int | None, ep: int = 1, kind: str | None = None):
         # NOTE: stages that differ only in the micro-batches they hold in flight train the same
         # rank-local plan: it is built and estimated once (fit estimates hundreds of layouts).
-        key = (count, first, last, tp, ep)
+        key = (count, first, last, tp, ep, kind)
         if key not in local:
             rank_model = local_model(model, layout, count, first, last, tp=tp, ep=ep)
-            local[key] = rank_model, estimate_fn(local_plan(plan, layout, rank_model), explain=True, **options)
+            rank_plan = local_plan(plan, layout, rank_model)
+            if kind is not None:
+                rank_plan = replace(rank_plan, strategy=Strategy(kind=kind))
+            local[key] = rank_model, estimate_fn(rank_plan, explain=True, **options)
         return local[key]
 
     out = []
