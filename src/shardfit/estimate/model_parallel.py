@@ -262,9 +262,11 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # first forward to the last micro-batch's backward and no gradient is reduced before then: the
     # stage runs like an unwrapped replica whose parameters are gathered copies. Its forward and
     # backward split is DDP's with the gathered stage (params x param dtype) in place of the
-    # reducer's bucket. Measured (pp 2 x dp 2, fp32): FSDP2's temporaries equal DDP's to 4 B.
+    # reducer's bucket. Measured (pp 2 x dp 2, fp32): FSDP2's temporaries equal DDP's to 4 B. Only in
+    # fp32: with bf16 DDP autocasts (fp32 residuals, weight copies) where FSDP2 casts the parameters,
+    # so the two splits differ and FSDP2's own is kept.
     replica = None
-    if held:
+    if held and t.precision == "fp32":
         _, ddp = rank_estimate(layers, first, last, None, 1, "ddp")
         gathered = rank_model.n_params * d - ddp.term("temporaries.ddp_buckets").bytes
         replica = {name: {"activations": ddp.phases[name]["activations"],
