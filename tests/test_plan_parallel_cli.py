@@ -17,16 +17,17 @@ def test_405b_layout_prints_every_pipeline_rank_by_category():
     assert [int(row[1]) for row in stages] == [15, 16, 16, 16, 16, 16, 16, 15]
     activations = [float(row[5]) for row in stages]
     assert activations[0] > activations[3] > activations[6]  # 1F1B: rank i holds 8 - i micro-batches
-    # The summary row is the most loaded rank (the first: 8 micro-batches in flight).
+    # The summary row is the most loaded rank (the first holds 8 micro-batches but one layer less than
+    # the next: which of them peaks higher is the estimate's to say).
     summary = next(line for line in out.splitlines() if line.startswith("fsdp2 "))
-    assert float(summary.split()[8]) == float(stages[0][8])
+    assert float(summary.split()[8]) == max(float(row[8]) for row in stages)
 
 
 def test_json_carries_the_layout_and_the_plan_section():
     doc = json.loads(shardfit(*LAYOUT_405B, "--json").stdout)
     assert doc["plan"]["parallelism"]["tp"] == 8 and doc["plan"]["parallelism"]["sequence_parallel"] is True
     ranks = doc["parallelism"]["fsdp2"]["ranks"]
-    assert len(ranks) == 8 and ranks[0]["device_peak"] == doc["strategies"][0]["device_peak_bytes"]
+    assert len(ranks) == 8 and max(r["device_peak"] for r in ranks) == doc["strategies"][0]["device_peak_bytes"]
 
 
 def test_default_layout_adds_nothing():
