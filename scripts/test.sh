@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # Debian's chromium for the bench HTML report test (skipped there when it can't be installed).
 bash scripts/ci-deps.sh || echo "test.sh: chromium not installed; the HTML report test will skip" >&2
+# torchtitan's own loader for the emitted torchtitan lines (beside the venv; CI fails that test without it).
+bash scripts/torchtitan-loader.sh || echo "test.sh: torchtitan's loader not installed; its emit test will skip" >&2
 # DeepSpeed compiles its CPU ops on first use (minutes). Build them once, before the tests, into a
 # stable cache so no test pays for it inside its timeout.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$(.venv/bin/python -c "from shardfit.runtime_env import extensions_dir; print(extensions_dir())")}

@@ -169,7 +169,7 @@ def test_wrong_format_for_the_strategy_is_one_clear_error():
     with pytest.raises(ShardfitError, match="hosts"):
         emit(make("ddp", nodes=2, gpus=2), "deepspeed-launcher", EmitOptions(hosts=("a",)))
     assert set(FORMATS) == {"deepspeed", "accelerate", "fsdp", "fsdp2", "ddp", "single", "lightning", "hf-trainer",
-                            "torchrun", "deepspeed-launcher", "slurm"}
+                            "torchrun", "deepspeed-launcher", "slurm", "torchtitan"}
 
 
 def test_ddp_script_is_for_ddp_plans_only():

@@ -12,7 +12,8 @@ from shardfit.spec.planfile import load_plan
 
 FORMAT_HELP = ("deepspeed (ds_config.json), accelerate (accelerate.yaml), fsdp / fsdp2 / ddp / single (runnable script), lightning "
                "(strategy args), hf-trainer (TrainingArguments JSON), torchrun (launch script), deepspeed-launcher "
-               "(two files: run_deepspeed.sh + hostfile), slurm (sbatch script)")
+               "(two files: run_deepspeed.sh + hostfile), slurm (sbatch script), torchtitan (its torchrun line: "
+               "run_torchtitan.sh, torchtitan 0.3.0's CLI, any tp / cp / pp / ep layout)")
 OUTPUT_HELP = ("where to write (default: print to stdout). One-file formats: PATH is the file to write (replaced if it "
                "exists); an existing folder, or a PATH ending in '/', gets the format's own file name inside it. "
                "deepspeed-launcher writes two files, so PATH is always a folder (created if missing). Files emit names "

@@ -7,6 +7,7 @@ import sys
 
 from shardfit.commands.kernel_flags import add_kernel_arguments, kernel_changes
 from shardfit.commands.lora_flags import add_lora_arguments, lora_asked, lora_from_args, lora_line
+from shardfit.emit.torchtitan import torchtitan_runs
 from shardfit.errors import ShardfitError
 from shardfit.fit.request import FitRequest
 from shardfit.fit.search import fit
@@ -144,13 +145,14 @@ def run(args) -> int:
             if not plan.parallelism.is_default:  # a tp / pp / cp / ep layout: only these formats carry it
                 par = plan.parallelism
                 formats = "|".join(name for name, ok in (("fsdp2", par.pp == par.cp == par.ep == 1),
-                                                         ("accelerate", par.pp == par.ep == 1), ("torchrun", True)) if ok)
+                                                         ("accelerate", par.pp == par.ep == 1),
+                                                         ("torchtitan", torchtitan_runs(plan)), ("torchrun", True)) if ok)
                 entry = "" if "fsdp2" in formats else " --entry your_script.py"
                 print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}{entry}` "
                       "(a data-parallel trainer: fit --data-parallel-only)", file=sys.stderr)
             else:
                 formats = NEXT_FORMATS.get("deepspeed" if plan.strategy.is_deepspeed else plan.strategy.kind,
-                                           "accelerate|torchrun")
+                                           "accelerate|torchrun") + ("|torchtitan" if torchtitan_runs(plan) else "")
                 print(f"wrote {args.output}: next `shardfit emit {args.output} --format {formats}` "
                       f"or `shardfit train {args.output}`", file=sys.stderr)
     return 0 if ok else 1

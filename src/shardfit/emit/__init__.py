@@ -14,6 +14,7 @@ from shardfit.emit.fsdp import emit_fsdp
 from shardfit.emit.launch import emit_deepspeed_launcher, emit_slurm, emit_torchrun
 from shardfit.emit.placeholders import mark_placeholders
 from shardfit.emit.single import emit_single
+from shardfit.emit.torchtitan import emit_torchtitan
 from shardfit.emit.trainers import emit_hf_trainer, emit_lightning
 from shardfit.errors import ShardfitError
 from shardfit.spec.engine_rules import train_layout_error
@@ -32,6 +33,7 @@ FORMATS = {
     "torchrun": emit_torchrun,
     "deepspeed-launcher": emit_deepspeed_launcher,
     "slurm": emit_slurm,
+    "torchtitan": emit_torchtitan,
 }
 
 
@@ -52,9 +54,10 @@ def emit(plan: Plan, fmt: str, options: EmitOptions | None = None) -> Emitted:
     return mark_placeholders(emitted, plan)
 
 
-# Formats that carry a tp x cp x pp layout (issue 14): accelerate's ParallelismConfig (tp, cp; no pp)
-# and the launch lines around your own script; every other format writes a data-parallel setup.
-_LAYOUT_FORMATS = ("accelerate", "torchrun", "slurm")
+# Formats that carry a tp x cp x pp layout (issue 14): accelerate's ParallelismConfig (tp, cp; no pp),
+# torchtitan's launch line (all of them) and the launch lines around your own script; every other
+# format writes a data-parallel setup.
+_LAYOUT_FORMATS = ("accelerate", "torchtitan", "torchrun", "slurm")
 
 
 def _check_layout_format(plan: Plan, key: str, options: EmitOptions) -> None:
@@ -64,7 +67,7 @@ def _check_layout_format(plan: Plan, key: str, options: EmitOptions) -> None:
         return  # the FSDP2 x TP script (emit/fsdp.py)
     if key not in _LAYOUT_FORMATS:
         raise ShardfitError(f"--format {key} writes a data-parallel setup, but this plan is {layout}: use --format "
-                            "fsdp2 (FSDP2 x TP, without pp / cp / ep), accelerate (its ParallelismConfig: tp, cp) and "
+                            "torchtitan (every layout), fsdp2 (FSDP2 x TP, without pp / cp / ep), accelerate (its ParallelismConfig: tp, cp) and "
                             "--format torchrun / slurm with --entry your script; or re-run fit with --data-parallel-only")
     if key in ("torchrun", "slurm") and options.entry is None and train_layout_error(plan):
         raise ShardfitError(f"this plan is {layout}: {train_layout_error(plan)}; or give --entry your training script "

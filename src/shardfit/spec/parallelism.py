@@ -118,16 +118,21 @@ def resolve(plan) -> Layout:
                   sequence_parallel=par.sequence_parallel, loss_parallel=par.loss_parallel)
 
 
-def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> tuple[int, ...]:
-    """Layers held by each pipeline rank (summed over its `virtual` chunks). Chunks get
-    num_layers // chunks layers; the remainder goes one each to the middle chunks, so the first and
-    last chunks (embedding, head) stay the lightest."""
-    chunks = pp * virtual
+def chunk_layers(num_layers: int, chunks: int) -> tuple[int, ...]:
+    """Layers of each pipeline chunk in model order: num_layers // chunks each, the remainder one each
+    to the middle chunks, so the first and last chunks (embedding, head) stay the lightest."""
     base, extra = divmod(num_layers, chunks)
     sizes = [base] * chunks
     start = (chunks - extra) // 2
     for index in range(start, start + extra):
         sizes[index] += 1
+    return tuple(sizes)
+
+
+def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> tuple[int, ...]:
+    """Layers held by each pipeline rank, summed over its `virtual` chunks (chunk_layers)."""
+    chunks = pp * virtual
+    sizes = chunk_layers(num_layers, chunks)
     # Chunk k runs on rank k % pp (Megatron's and torch's interleaved placement).
     return tuple(sum(sizes[k] for k in range(rank, chunks, pp)) for rank in range(pp))
 
