@@ -22,6 +22,11 @@ def _hosts(plan: Plan, options: EmitOptions) -> list[str]:
     return ["localhost"] if nodes == 1 else [f"node-{i}" for i in range(nodes)]
 
 
+# A multi-node launch script's guard: the same script runs on every node, pointed at the first.
+MULTI_NODE_LINES = ("# multi-node: run this same script on every node; MASTER_ADDR = the first node's address",
+                    ': "${MASTER_ADDR:?set MASTER_ADDR to the hostname or IP of the first node}"')
+
+
 def torchrun_command(plan: Plan, options: EmitOptions) -> str:
     c = plan.cluster
     if c.nodes == 1:
@@ -41,9 +46,7 @@ def emit_torchrun(plan: Plan, options: EmitOptions) -> Emitted:
     elif c.nodes == 1:
         lines += ["# single node", torchrun_command(plan, options)]
     else:
-        lines += ["# multi-node: run this same script on every node; MASTER_ADDR = the first node's address",
-                  ': "${MASTER_ADDR:?set MASTER_ADDR to the hostname or IP of the first node}"',
-                  torchrun_command(plan, options)]
+        lines += [*MULTI_NODE_LINES, torchrun_command(plan, options)]
     return Emitted(files={"run_torchrun.sh": "\n".join(lines) + "\n"})
 
 

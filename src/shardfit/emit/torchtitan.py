@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardfit.emit.common import Emitted, EmitOptions
-from shardfit.emit.launch import torchrun_command
+from shardfit.emit.launch import MULTI_NODE_LINES, torchrun_command
 from shardfit.errors import ShardfitError
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.parallelism import chunk_layers, resolve
@@ -186,8 +186,7 @@ def emit_torchtitan(plan: Plan, options: EmitOptions) -> Emitted:
              f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s); torchtitan {TORCHTITAN_VERSION} (written by shardfit)",
              "set -euo pipefail"]
     if c.nodes > 1:
-        lines += ["# multi-node: run this same script on every node; MASTER_ADDR = the first node's address",
-                  ': "${MASTER_ADDR:?set MASTER_ADDR to the hostname or IP of the first node}"']
+        lines += MULTI_NODE_LINES
     lines.append(launch + " \\")
     pairs = _pair(args)
     lines += [f"  {item} \\" for item in pairs[:-1]] + [f"  {pairs[-1]}"]
