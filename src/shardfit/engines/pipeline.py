@@ -6,8 +6,11 @@ a GPipe or 1F1B schedule runs the plan's micro-batches through the stages.
 The first stage owns the token embedding, the last the final norm, the head and the loss; every
 stage recomputes the rotary embedding and the causal mask from the sequence length (cheap, and no
 extra tensor crosses the stage boundary: only the hidden states, which is what the estimator's p2p
-buffers count). Data parallel inside a stage (world = pp x dp, pp outermost): DDP or FSDP2 over the
-stage's dp ranks; no tensor / context parallel inside a stage yet.
+buffers count). Inside a stage (world = pp x dp x tp, pp outermost, tp innermost: torchtitan's
+order): tensor parallel over the stage's tp ranks with the model's own transformers TP plan (its paths
+taken relative to the stage), then DDP or FSDP2 over its dp ranks (FSDP2 when tp > 1 too). Each tp
+rank sends its (replicated) hidden states to the same tp rank of the next stage. No context or expert
+parallel inside a stage yet.
 
 forward_backward(batch, last) collects micro-batches until `last`, then runs the whole schedule once
 (forward and backward of all of them): the plan's pp_microbatches are its grad_accum micro-batches.
@@ -20,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from shardfit.engines import base
+from shardfit.engines import tensor_parallel as tpar
 from shardfit.errors import ShardfitError
 from shardfit.spec.parallelism import resolve, stage_layers
 
@@ -66,13 +70,21 @@ class StageModule(torch.nn.Module):
 
 def check(plan, model, ctx) -> None:
     par = plan.parallelism
-    if par.tp > 1 or par.cp > 1 or par.ep > 1 or ctx.world_size % par.pp:
-        raise ShardfitError(f"the pipeline engine runs pp x dp (world = pp x dp) so far: pp = {par.pp} on "
-                            f"{ctx.world_size} ranks with tp = {par.tp}, cp = {par.cp}; tp/cp x pp are plan / "
-                            "emit only (issue 14)")
-    if ctx.world_size > par.pp and plan.strategy.kind not in ("ddp", "fsdp2"):
+    if par.cp > 1 or par.ep > 1 or ctx.world_size % (par.pp * par.tp):
+        raise ShardfitError(f"the pipeline engine runs pp x dp x tp (world = pp x dp x tp) so far: pp = {par.pp}, "
+                            f"tp = {par.tp} on {ctx.world_size} ranks with cp = {par.cp}, ep = {par.ep}; cp/ep x pp "
+                            "are plan / emit only (issue 14)")
+    dp = ctx.world_size // (par.pp * par.tp)
+    if dp > 1 and plan.strategy.kind not in ("ddp", "fsdp2"):
         raise ShardfitError(f"data parallel inside a pipeline stage runs under ddp or fsdp2, not "
                             f"{plan.strategy.label}: use --strategy ddp or fsdp2")
+    if dp > 1 and par.tp > 1 and plan.strategy.kind != "fsdp2":
+        raise ShardfitError("data parallel over tensor-parallel stages runs under fsdp2 (FSDP2 x TP, torchtitan's "
+                            f"composition), not {plan.strategy.label}: use --strategy fsdp2")
+    if par.tp > 1 and (par.sequence_parallel or par.loss_parallel):
+        raise ShardfitError("tensor parallel inside a pipeline stage runs the model's own transformers TP plan "
+                            "(no sequence parallel; its lm_head gathers the logits): set parallelism.sequence_parallel "
+                            "and parallelism.loss_parallel false")
     if par.pp_schedule not in SCHEDULES:
         raise ShardfitError(f"the pipeline engine runs {' and '.join(SCHEDULES)}; '{par.pp_schedule}' is plan only")
     if plan.training.precision not in ("fp32", "bf16"):
@@ -89,10 +101,6 @@ def check(plan, model, ctx) -> None:
                             "rotary_emb): the pipeline engine cannot split it")
 
 
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _drop_other_stages(model, module) -> None:
     """Free the parameters of every layer this rank's stage does not run (torchtitan deletes them from
     its meta-built copy). The rank built the whole model: left alone, the other stages' weights stay
@@ -103,6 +111,21 @@ def _drop_other_stages(model, module) -> None:
         for name, param in list(sub.named_parameters(recurse=False)):
             if id(param) not in kept:
                 setattr(sub, name, torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
+
+
+def _tensor_parallel(model, module, tp_mesh) -> None:
+    """The model's transformers TP plan on this stage's part of it: each path taken relative to the
+    stage (the base model's prefix dropped), and only those that name a module the stage holds."""
+    from fnmatch import fnmatchcase
+
+    prefix = model.base_model_prefix + "."
+    names = [name for name, _ in module.named_modules() if name]
+    wanted = {}
+    for path, style in tpar.model_tp_plan(model).items():
+        local = path[len(prefix):] if path.startswith(prefix) else path
+        if any(len(n.split(".")) == len(local.split(".")) and fnmatchcase(n, local) for n in names):
+            wanted[local] = style
+    tpar.parallelize(module, tp_mesh, wanted, type(model).__name__)
 
 
 def _data_parallel(plan, module, mesh):
@@ -128,18 +151,21 @@ def setup(plan, model, ctx) -> base.Engine:
 
     check(plan, model, ctx)
     layout = resolve(plan)
-    stages = layout.pp
-    dp = ctx.world_size // stages
-    # pp outermost (torchtitan's order): the ranks of one stage are dp consecutive ranks, and the stage's
-    # dp index is the data rank (measure/worker.py and train read data by it).
-    stage_index = ctx.rank // dp
-    mesh = init_device_mesh(ctx.device.type, (stages, dp), mesh_dim_names=("pp", "dp"))
+    stages, tp = layout.pp, layout.tp
+    dp = ctx.world_size // (stages * tp)
+    # pp outermost, tp innermost (torchtitan's order): the ranks of one stage are dp x tp consecutive
+    # ranks, and the stage's dp index is the data rank (tensor_parallel.data_rank: measure/worker.py and
+    # train read data by it).
+    stage_index = ctx.rank // (dp * tp)
+    mesh = init_device_mesh(ctx.device.type, (stages, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     counts = stage_layers(plan.model.num_layers, stages)
     first = sum(counts[:stage_index])
     autocast = None if (plan.strategy.kind == "fsdp2" and dp > 1) else (lambda: base.autocast(plan, ctx))
     module = StageModule(model, first, counts[stage_index], stage_index == 0, stage_index == stages - 1, autocast)
     _drop_other_stages(model, module)
     module.to(ctx.device)
+    if tp > 1:
+        _tensor_parallel(model, module, mesh["tp"])
     wrapped = _data_parallel(plan, module, mesh["dp"]) if dp > 1 else module
     stage = pipelining.PipelineStage(wrapped, stage_index, stages, ctx.device, group=mesh["pp"].get_group())
     vocab = model.config.vocab_size
@@ -179,21 +205,12 @@ def setup(plan, model, ctx) -> base.Engine:
         dist.broadcast(loss, group=mesh["pp"].get_group(), group_src=stages - 1)
         return loss
 
-    # A replicated gradient (DDP) is on every dp rank of its stage, a sharded one (FSDP2) once: the
-    # squares summed over the world count each element once after dividing by its copies.
-    copies = dp if plan.strategy.kind == "ddp" else 1
-
     def step():
-        grads = [p.grad for p in params if p.grad is not None]
-        local = torch.stack([torch.linalg.vector_norm(_local(g), dtype=torch.float32) ** 2 for g in grads]).sum()
-        local = local / copies
-        dist.all_reduce(local)  # the global norm over every stage's parameters
-        norm = local.sqrt()
+        # The norm over every stage's parameters in one all-reduce, each element counted once: a stage's
+        # dp x tp ranks hold its parameters (replicated, TP-sharded or FSDP2-sharded over them).
         max_norm = plan.schedule.grad_clip
-        if max_norm and max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for grad in grads:
-                _local(grad).mul_(coef)
+        norm = tpar.clip_grad_norm(params, max_norm if max_norm and max_norm > 0 else float("inf"),
+                                   holders=dp * tp)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)

@@ -52,7 +52,6 @@ def model_tp_plan(model) -> dict:
 def apply(plan, model, ctx):
     """Shard `model` in place over the tp dimension; return the dp mesh FSDP2 shards over."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
 
     par = plan.parallelism
     if par.cp > 1 or par.pp > 1 or par.ep > 1 or par.sequence_parallel:
@@ -65,15 +64,22 @@ def apply(plan, model, ctx):
     if ctx.world_size % tp:
         raise ShardfitError(f"tp = {tp} does not divide the {ctx.world_size} ranks: choose a divisor")
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    styles = _styles()
-    wanted = model_tp_plan(model)
-    unknown = sorted({style for style in wanted.values() if style not in styles})
-    if unknown:
-        raise ShardfitError(f"{type(model).__name__}'s TP plan uses '{unknown[0]}', which shardfit does not map yet "
-                            f"(it maps {', '.join(styles)}): set parallelism.tp to 1")
-    parallelize_module(model, mesh["tp"], {path: styles[style]() for path, style in wanted.items()})
+    parallelize(model, mesh["tp"], model_tp_plan(model), type(model).__name__)
     _retie(model)
     return mesh["dp"]
+
+
+def parallelize(module, tp_mesh, wanted: dict, name: str) -> None:
+    """`parallelize_module` with the torch style of each transformers style name in `wanted`
+    ({module path pattern: style}, paths relative to `module`); `name` is the model's, for the error."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    styles = _styles()
+    unknown = sorted({style for style in wanted.values() if style not in styles})
+    if unknown:
+        raise ShardfitError(f"{name}'s TP plan uses '{unknown[0]}', which shardfit does not map yet "
+                            f"(it maps {', '.join(styles)}): set parallelism.tp to 1")
+    parallelize_module(module, tp_mesh, {path: styles[style]() for path, style in wanted.items()})
 
 
 def _retie(model) -> None:
@@ -91,12 +97,14 @@ def _retie(model) -> None:
     outputs.weight = inputs.weight
 
 
-def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float, holders: int | None = None) -> torch.Tensor:
     """clip_grad_norm_ over parameters on different meshes (2-D dp x tp DTensors next to 1-D ones,
     which torch.stack cannot mix), in one all-reduce: each rank adds the squares of its local shards,
     each divided by the number of ranks holding that same shard (Replicate dimensions, ranks outside
     its mesh), so the sum over the world counts every element once. (A DTensor norm per gradient
-    would all-reduce once per mesh dimension per parameter.)"""
+    would all-reduce once per mesh dimension per parameter.) `holders`: how many ranks hold this
+    rank's set of parameters (the world, or under pipeline parallelism the ranks of one stage: the
+    other stages hold other parameters, whose squares the same all-reduce adds)."""
     import math
 
     import torch.distributed as dist
@@ -104,6 +112,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
 
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
+    holders = holders or dist.get_world_size()
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         if isinstance(grad, DTensor):
@@ -111,11 +120,11 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
                 grad = grad.redistribute(placements=[p if not p.is_partial() else _replicate() for p in grad.placements])
             # Ranks outside the gradient's mesh hold copies too: a norm's weight lives on the 1-D dp
             # mesh, once per TP rank.
-            copies = dist.get_world_size() // grad.device_mesh.size() * math.prod(
+            copies = holders // grad.device_mesh.size() * math.prod(
                 grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements) if placement.is_replicate())
             local = grad.to_local()
         else:  # a plain tensor: the same on every rank
-            copies, local = dist.get_world_size(), grad
+            copies, local = holders, grad
         squares += torch.linalg.vector_norm(local, dtype=torch.float32).double() ** 2 / copies
     dist.all_reduce(squares)
     total = squares.sqrt().float()

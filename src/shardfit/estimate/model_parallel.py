@@ -150,24 +150,24 @@ def _paper_activations(plan, layout: Layout, layers: int, first: bool, last: boo
     return total
 
 
-def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, tokens: int, d: int, tp: int) -> dict:
+def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, tokens: int, d: int, tp: int,
+                           kept: int = 0) -> dict:
     """transformers' `colwise_gather_output` head: the forward peaks while the logits are gathered --
     the local V/tp shard, DTensor's all-gather buffer and the full logits are live, the loss has not
-    saved its fp32 log_softmax or labels yet. The larger of that instant and the loss's."""
-    head = est.term("activations.head").inputs.get("tensors", {})
-    loss_saved = tokens * sum(per for label, per in head.items() if label.startswith("loss."))
+    saved its fp32 log_softmax or labels yet. The larger of that instant and the loss's. `kept`: the
+    pipeline's kept logits of this micro-batch, counted in `forward`'s activations, which at the
+    gather are the full logits being built (the temporaries here), not a second copy."""
     at_loss = est.term("activations.blocks").bytes + est.term("activations.head").bytes
     if forward["activations"] < at_loss - tokens * rank_model.hidden_size * 4:
         return forward  # the peak is inside a block (checkpointing), not at the loss
     vocab = rank_model.vocab_size
-    gather = {**forward, "activations": forward["activations"] - loss_saved,
-              "temporaries": forward["temporaries"] - est.term("temporaries.loss_inputs").bytes
-              + tokens * -(-vocab // tp) * d + tokens * vocab * d}
-    if sum(gather.values()) <= sum(forward.values()):
-        return forward
     # Measured (4 CPU ranks): run to run, the gather's staging buffers are freed before or after the
-    # loss saves its log_softmax; the worst case keeps both.
-    return {**gather, "activations": forward["activations"]}
+    # loss saves its log_softmax; the worst case keeps both (pp 2 x tp 2, last stage: 2,584,756 B
+    # measured, this instant 2,575,872).
+    both = {**forward, "activations": forward["activations"] - kept,
+            "temporaries": forward["temporaries"] - est.term("temporaries.loss_inputs").bytes
+            + tokens * -(-vocab // tp) * d + tokens * vocab * d}
+    return both if sum(both.values()) > sum(forward.values()) else forward
 
 
 def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int) -> int:
@@ -239,6 +239,16 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # profile frees the logits at the loss. Measured: +2% over on tiny-llama under 1F1B and GPipe.
     kept_logits = (int(in_flight * b * s * model.vocab_size * d) // (layout.tp if layout.loss_parallel else 1)
                    if last and layout.pp > 1 else 0)
+    # torch's DTensor TP of the vocab-parallel embedding (RowwiseParallel over the rows, replicated
+    # ids) gives its weight a Replicate gradient of the full V x h (the embedding backward's sharding
+    # strategy), beside the Shard(0) parameter: without an FSDP wrapper to reduce-scatter it, that
+    # gradient stays whole until the step. Measured (pp 2 x tp 2, 4 CPU ranks): 81,920 B for a
+    # 40,960-B shard, stage 0, every phase with gradients.
+    # (Megatron's own vocab-parallel embedding keeps its gradient local: not under "ideal" accounting.)
+    embedding_grad = 0
+    if first and layout.tp > 1 and options["accounting"] != "ideal" and local_plan(plan, layout, rank_model).strategy.kind in ("single", "ddp"):
+        grad_d = 2 if t.precision.endswith("-pure") else 4
+        embedding_grad = (model.vocab_size - _ceil_div(model.vocab_size, layout.tp)) * model.hidden_size * grad_d
     kvd = (model.num_kv_heads or model.num_heads) // layout.tp * (model.head_dim or model.hidden_size // model.num_heads)
     qd = model.num_heads // layout.tp * (model.head_dim or model.hidden_size // model.num_heads)
     # Ring attention: K and V chunks of s/cp tokens, the rank's own and the arriving one (double
@@ -286,6 +296,8 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
             cats["grads"] = held
         if name in ("forward", "backward", "optimizer"):  # allocated by the first step, kept for the next
             cats["temporaries"] += p2p
+            if cats["grads"]:
+                cats["grads"] += embedding_grad
         if name in ("forward", "backward"):
             cats["activations"] += kept_logits
         if name in ("forward", "backward"):
@@ -298,7 +310,8 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
             cats["temporaries"] += ring + moved
         phases[name] = cats
     if last and layout.tp > 1 and not layout.loss_parallel and not paper:
-        phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp)
+        phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp,
+                                                   int(kept_logits // max(in_flight, 1)))
     notes = (f"layout {layout.describe()}: pipeline rank {stage} of {layout.pp} holds {layers} layers"
              f"{' + embedding' if first else ''}{' + head' if last else ''}, {in_flight:g} micro-batch(es) of "
              f"activations in flight ({layout.schedule if layout.pp > 1 else 'no pipeline'})",
@@ -317,6 +330,9 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                       source="torch.distributed.pipelining stage.py: a receive buffer per micro-batch and chunk"),
                  Term(name="parallel.pp_kept_logits", bytes=kept_logits, formula="last stage: in_flight*b*(s/cp)*V*d",
                       inputs={"in_flight": in_flight}, source="torch.distributed.pipelining stage.py fwd_cache"),
+                 Term(name="parallel.tp_embedding_grad", bytes=embedding_grad,
+                      formula="first stage, tp > 1, no FSDP: (V - V/tp)*h*grad dtype",
+                      inputs={"tp": layout.tp}, source="torch DTensor embedding backward: a Replicate V x h gradient"),
                  Term(name="parallel.pp_unsharded_grads", bytes=held, formula="stage params * d (fsdp2, pp > 1)",
                       inputs={"microbatches": layout.microbatches},
                       source="torch.distributed.pipelining stage.py: no reshard / grad sync before the last micro-batch"),

@@ -14,12 +14,14 @@ def phases_step(plan, acts: Activations, states: States) -> tuple[dict[str, dict
     grads_optimizer = grads_full + states.grads_step if states.grads_optimizer is None else states.grads_optimizer
     params_optimizer = params if states.params_optimizer is None else states.params_optimizer
     grads_persistent = states.grads_persistent
+    # At rest (before a step's first micro-batch, at a checkpoint save) the step before has set the
+    # accumulated gradients to None: only what an engine keeps across steps is there.
+    rest = max(grads_persistent, buf.grads_rest)
     if plan.training.grad_accum > 1:
         # Gradients accumulate across micro-steps: the next forward runs with them allocated.
         grads_persistent = max(grads_persistent, grads_full)
     acts_f, temps_f = _forward_peak(acts, buf)
     acts_b, grads_b, temps_b = _backward_peak(plan, acts, buf, grads_persistent, grads_full)
-    rest = max(grads_persistent, buf.grads_rest)
     phases = {
         "load": {"params": params, "grads": rest, "optimizer": opt, "activations": 0, "temporaries": buf.rest},
         "forward": {"params": params, "grads": grads_persistent, "optimizer": opt,
