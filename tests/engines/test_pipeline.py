@@ -1,10 +1,12 @@
 """Pipeline parallelism for real: tiny-llama split into 2 stages (2 layers each) on 2 CPU ranks (gloo),
-run by torch.distributed.pipelining's 1F1B and GPipe schedules with 4 micro-batches. One torchrun
-launch of the profiling harness (shardfit.measure.worker), two short configurations.
+run by torch.distributed.pipelining's 1F1B, GPipe and interleaved 1F1B (2 chunks per rank) schedules
+with 4 micro-batches. One torchrun launch of the profiling harness (shardfit.measure.worker), three
+short configurations; then 4 ranks: pp x dp and pp x tp.
 
 Checked: the losses equal plain single-process torch accumulating the same 4 micro-batches, and each
 rank's measured memory (the tracker) matches its own stage's estimate (estimate/model_parallel.py:
-1F1B holds p - i micro-batches on rank i, GPipe all m; a receive buffer per micro-batch; the last
+1F1B holds p - i micro-batches on rank i, interleaved ((p - i - 1)*2 + (v - 1)*p + 1) / v of the rank's
+layers, GPipe all m; a receive buffer per micro-batch and chunk; the last
 stage keeping every micro-batch's logits until the next step).
 """
 from __future__ import annotations
@@ -25,6 +27,8 @@ STEPS = 2
 def _plan(schedule: str, strategy: str = "ddp", ranks: int = 2, precision: str = "fp32", tp: int = 1) -> dict:
     # tp > 1: the model's own transformers TP plan, whose head gathers the logits (no loss parallel).
     tensor = {"tp": tp, "loss_parallel": False} if tp > 1 else {}
+    if schedule == "interleaved":  # two chunks of one layer per rank: layers 0 and 2 on rank 0, 1 and 3 on rank 1
+        tensor["pp_virtual_stages"] = 2
     return {"model": "tiny-llama", "strategy": {"kind": strategy}, "cluster": {"nodes": 1, "gpus_per_node": ranks},
             "training": {"micro_batch": 2, "grad_accum": 4, "seq_len": 64, "precision": precision,
                          "activation_checkpointing": "none"},
@@ -32,7 +36,7 @@ def _plan(schedule: str, strategy: str = "ddp", ranks: int = 2, precision: str =
 
 
 CONFIGS = [{"label": f"pp2/{name}", "plan": _plan(name), "steps": STEPS, "repeat_batch": True}
-           for name in ("1f1b", "gpipe")]
+           for name in ("1f1b", "gpipe", "interleaved")]
 
 
 @pytest.fixture(scope="module")

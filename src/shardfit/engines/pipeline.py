@@ -1,7 +1,8 @@
-"""Pipeline parallelism through torch.distributed.pipelining: each rank builds one PipelineStage from
-its contiguous share of a transformers decoder's layers (torchtitan's manual split, not the tracer:
+"""Pipeline parallelism through torch.distributed.pipelining: each rank builds a PipelineStage per chunk
+of contiguous layers of a transformers decoder it holds (torchtitan's manual split, not the tracer:
 `pipeline()` needs an fx-traceable forward, which transformers' masks and rotary caches are not), and
-a GPipe or 1F1B schedule runs the plan's micro-batches through the stages.
+a GPipe, 1F1B or interleaved 1F1B schedule runs the plan's micro-batches through the stages (the
+interleaved one with pp_virtual_stages chunks per rank: chunk k of pp x v, in model order, on rank k % pp).
 
 The first stage owns the token embedding, the last the final norm, the head and the loss; every
 stage recomputes the rotary embedding and the causal mask from the sequence length (cheap, and no
@@ -25,9 +26,9 @@ import torch.distributed as dist
 from shardfit.engines import base
 from shardfit.engines import tensor_parallel as tpar
 from shardfit.errors import ShardfitError
-from shardfit.spec.parallelism import resolve, stage_layers
+from shardfit.spec.parallelism import chunk_layers, resolve
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 
 
 class StageModule(torch.nn.Module):
@@ -86,7 +87,7 @@ def check(plan, model, ctx) -> None:
                             "(no sequence parallel; its lm_head gathers the logits): set parallelism.sequence_parallel "
                             "and parallelism.loss_parallel false")
     if par.pp_schedule not in SCHEDULES:
-        raise ShardfitError(f"the pipeline engine runs {' and '.join(SCHEDULES)}; '{par.pp_schedule}' is plan only")
+        raise ShardfitError(f"the pipeline engine runs {', '.join(SCHEDULES)}; '{par.pp_schedule}' is plan only")
     if plan.training.precision not in ("fp32", "bf16"):
         raise ShardfitError(f"the pipeline engine runs fp32 and bf16 (autocast / FSDP2 mixed precision), not "
                             f"{plan.training.precision}: use --precision bf16")
@@ -101,12 +102,12 @@ def check(plan, model, ctx) -> None:
                             "rotary_emb): the pipeline engine cannot split it")
 
 
-def _drop_other_stages(model, module) -> None:
+def _drop_other_stages(model, modules) -> None:
     """Free the parameters of every layer this rank's stage does not run (torchtitan deletes them from
     its meta-built copy). The rank built the whole model: left alone, the other stages' weights stay
     referenced by it for the whole run. Measured (pp = 2 x dp = 2, tiny-llama): 451,584 B of the other
     stage's weights alive beside the stage's own in every phase."""
-    kept = {id(p) for p in module.parameters()} | {id(b) for b in module.buffers()}
+    kept = {id(t) for module in modules for t in (*module.parameters(), *module.buffers())}
     for sub in model.modules():
         for name, param in list(sub.named_parameters(recurse=False)):
             if id(param) not in kept:
@@ -158,16 +159,21 @@ def setup(plan, model, ctx) -> base.Engine:
     # train read data by it).
     stage_index = ctx.rank // (dp * tp)
     mesh = init_device_mesh(ctx.device.type, (stages, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    counts = stage_layers(plan.model.num_layers, stages)
-    first = sum(counts[:stage_index])
+    # pp x v chunks of contiguous layers in model order; chunk k runs on pipeline rank k % pp (v = 1
+    # but under the interleaved schedule: one chunk per rank).
+    chunks = stages * layout.virtual
+    counts = chunk_layers(plan.model.num_layers, chunks)
+    mine = list(range(stage_index, chunks, stages))
     autocast = None if (plan.strategy.kind == "fsdp2" and dp > 1) else (lambda: base.autocast(plan, ctx))
-    module = StageModule(model, first, counts[stage_index], stage_index == 0, stage_index == stages - 1, autocast)
-    _drop_other_stages(model, module)
-    module.to(ctx.device)
-    if tp > 1:
-        _tensor_parallel(model, module, mesh["tp"])
-    wrapped = _data_parallel(plan, module, mesh["dp"]) if dp > 1 else module
-    stage = pipelining.PipelineStage(wrapped, stage_index, stages, ctx.device, group=mesh["pp"].get_group())
+    modules = [StageModule(model, sum(counts[:k]), counts[k], k == 0, k == chunks - 1, autocast) for k in mine]
+    _drop_other_stages(model, modules)
+    for module in modules:
+        module.to(ctx.device)
+        if tp > 1:
+            _tensor_parallel(model, module, mesh["tp"])
+    wrapped = [_data_parallel(plan, module, mesh["dp"]) if dp > 1 else module for module in modules]
+    pp_group = mesh["pp"].get_group()
+    pipeline_stages = [pipelining.PipelineStage(w, k, chunks, ctx.device, group=pp_group) for w, k in zip(wrapped, mine)]
     vocab = model.config.vocab_size
 
     def loss_fn(logits, labels):
@@ -175,9 +181,12 @@ def setup(plan, model, ctx) -> base.Engine:
         # scales the gradients by 1 / micro-batches, as accumulation would.
         return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
-    schedule = getattr(pipelining, SCHEDULES[layout.schedule])(stage, n_microbatches=layout.microbatches,
-                                                                loss_fn=loss_fn)
-    params = base.trainable_params(module)  # FSDP2's sharded parameters where it wrapped the stage
+    schedule = getattr(pipelining, SCHEDULES[layout.schedule])(
+        pipeline_stages if layout.schedule == "interleaved" else pipeline_stages[0],
+        n_microbatches=layout.microbatches, loss_fn=loss_fn)
+    # FSDP2's sharded parameters where it wrapped a chunk
+    params = [p for module in modules for p in base.trainable_params(module)]
+    module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
     optimizer = base.build_optimizer(plan, params)
     scheduler = base.build_scheduler(plan, optimizer)
     pending: list[dict] = []

@@ -151,9 +151,11 @@ class Profiler:
     def attach(self, model=None, optimizer=None):
         """Name the model and optimizer once they exist (the tracker may start before they are built,
         so that loading and wrapping are measured too)."""
-        if model is not None and not any(model is m for m in self._models):
-            self._models.append(model)
-            self._attach_model(model)
+        # A ModuleList is several models that each run forward (an interleaved pipeline rank's chunks).
+        for part in (list(model) if type(model).__name__ == "ModuleList" else [model]):
+            if part is not None and not any(part is m for m in self._models):
+                self._models.append(part)
+                self._attach_model(part)
         for opt in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]):
             if opt is not None and not any(opt is o for o in self._optimizers):
                 self._optimizers.append(opt)
