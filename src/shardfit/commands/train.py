@@ -38,6 +38,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--shard-group-size", type=int, dest="shard_group_size", help="HSDP: ranks per shard group")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (fsdp2 only): ranks of one node that share each "
                        "layer, the rest data parallel; a checkpoint resumes under another --tp / --nproc")
+    group.add_argument("--pp", type=int, help="pipeline stages (torch.distributed.pipelining, 1F1B over the "
+                       "--grad-accum micro-batches; ddp / fsdp2 inside a stage); a checkpoint resumes under another --pp")
     group.add_argument("--data", help="local .txt or .jsonl file (default: the embedded corpus)")
     group.add_argument("--tokenizer", help="local HF tokenizer directory (default: byte-level)")
     group.add_argument("--log-every", type=int, dest="log_every")

@@ -70,6 +70,8 @@ class Engine:
         as the engine needs); every rank must run the same forwards inside it.
     full_state() -> iterator of (name, tensor): the consolidated model, one tensor at a time; every
         rank must iterate, only rank 0 gets real values (others get None).
+    A pipeline engine returns 0 for every micro-batch but the last, and there the sum of the step's
+    micro-batch losses (its schedule runs them all at once).
     """
     kind: str
     plan: Plan
@@ -88,6 +90,9 @@ class Engine:
     extra_state: Callable = lambda: {}
     load_extra_state: Callable = lambda state: None
     save_async: Callable | None = None
+    # eval_loss(batches) -> the summed loss of a pipeline's micro-batches, forward only (None: the loop
+    # runs the model under inference()).
+    eval_loss: Callable | None = None
 
 
 def unwrap(model):

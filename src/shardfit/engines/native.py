@@ -55,6 +55,39 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     def zero_grad():
         optimizer.zero_grad(set_to_none=True)
 
+    save, save_async, load = dcp_checkpoint(model, optimizer, quantized, dcp_options)
+
+    @contextmanager
+    def inference():
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), (autocast() if autocast else nullcontext()):
+                yield model
+        finally:
+            model.train(was_training)
+
+    def extra_state():
+        state = {"scheduler": scheduler.state_dict()}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
+        return state
+
+    def load_extra_state(state):
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and "scaler" in state:
+            scaler.load_state_dict(state["scaler"])
+
+    return Engine(kind=kind, plan=plan, ctx=ctx, model=model, module=module, optimizer=optimizer,
+                  scheduler=scheduler, forward_backward=forward_backward, step=step, zero_grad=zero_grad,
+                  save=save, load=load, inference=inference, full_state=full_state,
+                  extra_state=extra_state, load_extra_state=load_extra_state, save_async=save_async)
+
+
+def dcp_checkpoint(model, optimizer, quantized: bool = False, dcp_options=None):
+    """(save, save_async, load) of `model` + `optimizer` as one sharded DCP checkpoint under
+    `<dir>/dcp`, keyed by the model's parameter names (so another layout of the same model loads it)."""
+
     def save(directory: Path) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict
 
@@ -90,28 +123,4 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=dcp_options)
 
-    @contextmanager
-    def inference():
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), (autocast() if autocast else nullcontext()):
-                yield model
-        finally:
-            model.train(was_training)
-
-    def extra_state():
-        state = {"scheduler": scheduler.state_dict()}
-        if scaler is not None:
-            state["scaler"] = scaler.state_dict()
-        return state
-
-    def load_extra_state(state):
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and "scaler" in state:
-            scaler.load_state_dict(state["scaler"])
-
-    return Engine(kind=kind, plan=plan, ctx=ctx, model=model, module=module, optimizer=optimizer,
-                  scheduler=scheduler, forward_backward=forward_backward, step=step, zero_grad=zero_grad,
-                  save=save, load=load, inference=inference, full_state=full_state,
-                  extra_state=extra_state, load_extra_state=load_extra_state, save_async=save_async)
+    return save, save_async, load

@@ -23,8 +23,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from shardfit.engines import base
+from shardfit.engines import base, pipeline_state
 from shardfit.engines import tensor_parallel as tpar
+from shardfit.engines.native import dcp_checkpoint
 from shardfit.errors import ShardfitError
 from shardfit.spec.parallelism import chunk_layers, resolve
 
@@ -45,6 +46,7 @@ class StageModule(torch.nn.Module):
         self.config = inner.config
         self.embed_tokens = body.embed_tokens if is_first else None
         self.layers = torch.nn.ModuleList(body.layers[first:first + count])
+        self.indices = range(first, first + count)  # the layers' indices in the whole model
         self.rotary_emb = body.rotary_emb
         self.norm = body.norm if is_last else None
         self.lm_head = inner.lm_head if is_last else None
@@ -67,6 +69,19 @@ class StageModule(torch.nn.Module):
         if self.lm_head is not None:
             hidden = self.lm_head(self.norm(hidden))
         return hidden
+
+
+def stack_microbatches(batches: list[dict], seq_len: int, device) -> tuple:
+    """(input ids, labels) of the schedule's whole batch: every micro-batch padded on the right to the
+    plan's seq_len. The stages' receive buffers are shaped once, by the first step, and the loop's
+    batches are padded only to their own longest example; a right pad masked out of the loss (-100)
+    leaves a causal model's real-token logits and its loss unchanged."""
+    def pad(tensor, value):
+        return torch.nn.functional.pad(tensor, (0, seq_len - tensor.shape[1]), value=value)
+
+    ids = torch.cat([pad(b["input_ids"], 0) for b in batches]).to(device)
+    labels = torch.cat([pad(b["labels"], -100) for b in batches]).to(device)
+    return ids, labels
 
 
 def check(plan, model, ctx) -> None:
@@ -187,6 +202,7 @@ def setup(plan, model, ctx) -> base.Engine:
     # FSDP2's sharded parameters where it wrapped a chunk
     params = [p for module in modules for p in base.trainable_params(module)]
     module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
+    root = pipeline_state.named_root(model, modules)
     optimizer = base.build_optimizer(plan, params)
     scheduler = base.build_scheduler(plan, optimizer)
     pending: list[dict] = []
@@ -196,8 +212,7 @@ def setup(plan, model, ctx) -> base.Engine:
         pending.append(batch)
         if not last:
             return torch.zeros(())
-        ids = torch.cat([b["input_ids"] for b in pending]).to(ctx.device)
-        labels = torch.cat([b["labels"] for b in pending]).to(ctx.device)
+        ids, labels = stack_microbatches(pending, plan.training.seq_len, ctx.device)
         pending.clear()
         losses: list = []
         # NOTE: return_outputs=False: otherwise the last stage keeps every micro-batch's logits
@@ -208,11 +223,32 @@ def setup(plan, model, ctx) -> base.Engine:
             schedule.step(target=labels, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
-        # The mean micro-batch loss, known on the last stage: sent to the ranks of its pipeline (the
-        # loop averages over the dp replicas).
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if is_last else torch.zeros(())
-        dist.broadcast(loss, group=mesh["pp"].get_group(), group_src=stages - 1)
+        # The sum of the micro-batch losses, known on the last stage: sent to the ranks of its pipeline.
+        # Returned for the last micro-batch only (0 for the others), so the loop's sum over micro-batches
+        # is the same as an engine's that returns each one's.
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if is_last else torch.zeros(())
+        dist.broadcast(loss, group=pp_group, group_src=stages - 1)
         return loss
+
+    def eval_loss(batches: list[dict]) -> torch.Tensor:
+        """The summed loss of `microbatches` held-out micro-batches, forward only through the schedule:
+        on the last stage's ranks (0 on the others)."""
+        ids, labels = stack_microbatches(batches, plan.training.seq_len, ctx.device)
+        losses: list = []
+        for part in modules:
+            part.eval()
+        try:
+            with torch.no_grad():
+                if stage_index == 0:
+                    schedule.eval(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
+                elif is_last:
+                    schedule.eval(target=labels, losses=losses, return_outputs=False)
+                else:
+                    schedule.eval(return_outputs=False)
+        finally:
+            for part in modules:
+                part.train()
+        return torch.stack([x.float() for x in losses]).sum() if is_last else torch.zeros(())
 
     def step():
         # The norm over every stage's parameters in one all-reduce, each element counted once: a stage's
@@ -228,15 +264,23 @@ def setup(plan, model, ctx) -> base.Engine:
     def zero_grad():
         optimizer.zero_grad(set_to_none=True)
 
-    def unsupported(*_args, **_kwargs):
-        raise ShardfitError("the pipeline engine does not checkpoint, evaluate or export yet (issue 14)")
-
     @contextmanager
     def inference():
-        raise ShardfitError("the pipeline engine does not evaluate or generate yet (issue 14)")
+        raise ShardfitError("the pipeline engine cannot run the whole model on one rank (generation): its "
+                            "held-out loss runs through the schedule (eval_loss)")
         yield  # pragma: no cover
 
-    return base.Engine(kind="pipeline", plan=plan, ctx=ctx, model=module, module=module, optimizer=optimizer,
+    save, save_async, load = dcp_checkpoint(root, optimizer)
+
+    def full_state():
+        return pipeline_state.full_state(model, root, ctx, stage_index, dp * tp, counts, stages)
+
+    # model: what runs forward (the stage, or an interleaved rank's chunks); module: this rank's part
+    # under the full model's names, with its config (checkpoints, export).
+    return base.Engine(kind="pipeline", plan=plan, ctx=ctx, model=module, module=root, optimizer=optimizer,
                        scheduler=scheduler, forward_backward=forward_backward, step=step, zero_grad=zero_grad,
-                       save=unsupported, load=unsupported, inference=inference, full_state=unsupported)
+                       save=save, load=load, inference=inference, full_state=full_state, save_async=save_async,
+                       extra_state=lambda: {"scheduler": scheduler.state_dict()},
+                       load_extra_state=lambda state: scheduler.load_state_dict(state["scheduler"]),
+                       eval_loss=eval_loss)
 

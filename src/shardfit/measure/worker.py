@@ -74,7 +74,8 @@ def run_one(config: dict, ctx, previous: list) -> dict:
                     index = micro if config.get("repeat_batch") else step * plan.training.grad_accum + micro
                     batch = make_batch(plan, index, ctx.rank, vocab)
                     loss = engine.forward_backward(batch, last=micro == plan.training.grad_accum - 1)
-                losses.append(float(loss))
+                # The pipeline engine's last micro-batch returns the step's sum: its mean is recorded.
+                losses.append(float(loss) / (plan.training.grad_accum if engine.kind == "pipeline" else 1))
                 if not is_deepspeed_kind(engine.kind):
                     engine.step()
             if config.get("checkpoint"):

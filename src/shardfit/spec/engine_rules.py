@@ -3,6 +3,8 @@ engine has it) and the optimizer and precision combinations an engine rejects at
 is one line that names the fix; the first that applies is returned."""
 from __future__ import annotations
 
+from shardfit.spec.parallelism import MESH_STRATEGIES
+
 
 def engine_support_error(plan) -> str | None:
     s, t, c = plan.strategy, plan.training, plan.cluster
@@ -38,13 +40,21 @@ def engine_support_error(plan) -> str | None:
 
 
 def train_layout_error(plan) -> str | None:
-    """What `shardfit train`'s loop cannot run: it runs data parallelism under every engine and tp under
-    FSDP2 (a 2-D (dp, tp) mesh with the model's own TP plan, whose head gathers the logits)."""
+    """What `shardfit train`'s loop cannot run: it runs data parallelism under every engine, tp under
+    FSDP2 (a 2-D (dp, tp) mesh with the model's own TP plan, whose head gathers the logits) and pp
+    through the pipeline engine (engines/pipeline.py: its stages under single, DDP or FSDP2, tp inside)."""
     par = plan.parallelism
-    if par.cp > 1 or par.pp > 1 or par.ep > 1 or par.sequence_parallel:
-        return ("`shardfit train` runs data and tensor parallelism (fsdp2 with parallelism.tp) so far: cp, pp, ep "
-                "and sequence_parallel are for plan and emit (docs/parallelism.md); set them to 1 / off")
-    if par.tp > 1 and plan.strategy.kind != "fsdp2":
+    if par.cp > 1 or par.ep > 1 or par.sequence_parallel:
+        return ("`shardfit train` runs data, tensor and pipeline parallelism so far: cp, ep and sequence_parallel "
+                "are for plan and emit (docs/parallelism.md); set them to 1 / off")
+    if par.pp > 1 and plan.strategy.kind not in MESH_STRATEGIES:
+        return (f"pipeline-parallel training runs its stages under {', '.join(MESH_STRATEGIES)}, not "
+                f"{plan.strategy.label}: use --strategy fsdp2 or ddp, or pp 1")
+    t = plan.training
+    if par.pp > 1 and (t.lora is not None or t.activation_checkpointing != "none" or t.precision not in ("fp32", "bf16")):
+        return ("the pipeline engine runs fp32 or bf16 without LoRA and activation checkpointing so far: set "
+                "--ac none, no LoRA, --precision fp32 or bf16 (or pp 1)")
+    if par.tp > 1 and par.pp == 1 and plan.strategy.kind != "fsdp2":
         return (f"tensor-parallel training runs under fsdp2 (FSDP2 x TP on a 2-D mesh), not {plan.strategy.label}: "
                 "use --strategy fsdp2, or --tp 1")
     if par.tp > 1 and par.loss_parallel:

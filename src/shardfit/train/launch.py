@@ -81,6 +81,8 @@ def plan_data(flags: TrainFlags) -> dict:
     if flags.tp is not None:
         # The engine runs the model's own TP plan, whose head gathers the logits (no vocab-parallel loss).
         data["parallelism"] = {"loss_parallel": False, **dict(data.get("parallelism") or {}), "tp": flags.tp}
+    if flags.pp is not None:
+        data["parallelism"] = {"loss_parallel": False, **dict(data.get("parallelism") or {}), "pp": flags.pp}
     for flag, section, key in (("micro_batch", "training", "micro_batch"), ("seq", "training", "seq_len"),
                                ("grad_accum", "training", "grad_accum"), ("precision", "training", "precision"),
                                ("ac", "training", "activation_checkpointing"), ("steps", "schedule", "steps"),

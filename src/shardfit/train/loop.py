@@ -189,8 +189,9 @@ def _train(plan, out: Path, options: RunOptions, ctx: DistContext, model) -> lis
         if s.eval_every and (step + 1) % s.eval_every == 0:
             with dog.watch(step + 1, "evaluation (all_reduce, generation)", scale=3):
                 record.update(evaluate(engine, data, tokenizer, options))
-            _say(ctx, options, f"eval step {step + 1}: val_loss {record['val_loss']:.4f} | "
-                               f"sample {options.prompt!r} -> {record['sample']!r}", bar)
+            sample = (f"sample {options.prompt!r} -> {record['sample']!r}" if engine.eval_loss is None
+                      else "no sample (no pipeline rank holds the whole model)")
+            _say(ctx, options, f"eval step {step + 1}: val_loss {record['val_loss']:.4f} | {sample}", bar)
         if ctx.is_main:
             with metrics_file.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
@@ -266,6 +267,8 @@ def evaluate(engine, data, tokenizer, options: RunOptions) -> dict:
     rank, ranks = data_shard(engine.plan, ctx)
     span = t.micro_batch * ranks
     count = max(1, min(options.eval_batches, len(data.val) // span))
+    if engine.eval_loss is not None:
+        return _pipeline_evaluate(engine, data, count, rank, ranks)
     total = torch.zeros(1, dtype=torch.float64)
     with engine.inference() as model:
         head = chunked_head(model)  # the plan's loss, as in training
@@ -278,6 +281,28 @@ def evaluate(engine, data, tokenizer, options: RunOptions) -> dict:
     dist.all_reduce(total)
     tokens, text = engine_generate(engine, tokenizer, options.prompt, options.new_tokens)
     return {"val_loss": float(total) / (count * ctx.world_size), "sample": text, "sample_ids": tokens}
+
+
+def _pipeline_evaluate(engine, data, count: int, rank: int, ranks: int) -> dict:
+    """evaluate() under pipeline parallelism: the held-out micro-batches go through the schedule in
+    groups of its micro-batch count (the same examples every time, wrapping around a short split);
+    the last stage's ranks hold the losses. No sample: no rank holds the whole model to generate."""
+    ctx, t = engine.ctx, engine.plan.training
+    group = engine.plan.parallelism.pp_microbatches or t.grad_accum
+    count = -(-count // group) * group
+    span = t.micro_batch * ranks
+    total = torch.zeros(1, dtype=torch.float64)
+    for first in range(0, count, group):
+        batches = []
+        for k in range(first, first + group):
+            start = k * span + rank * t.micro_batch
+            batches.append(collate([data.val[i % len(data.val)] for i in range(start, start + t.micro_batch)],
+                                   data.pad_id))
+        total += float(engine.eval_loss(batches))
+    total = total.to(ctx.device)
+    dist.all_reduce(total)  # the last stage's dp x tp ranks: each dp replica's sum, tp times
+    last_stage = ctx.world_size // engine.plan.parallelism.pp
+    return {"val_loss": float(total) / (count * last_stage), "sample": "", "sample_ids": []}
 
 
 def _lr(engine) -> float:

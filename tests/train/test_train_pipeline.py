@@ -1,0 +1,82 @@
+"""`shardfit train --pp`: the pipeline engine (torch.distributed.pipelining, 1F1B over the step's
+micro-batches) in the real loop. A 2-stage run on 2 ranks trains the same steps as one process
+accumulating the same micro-batches; pp 2 x dp 2 under FSDP2 on 4 ranks the same as 2-rank DDP; their
+DCP checkpoints, keyed by the whole model's names, resume without a pipeline and the other way round;
+the export gathers every stage's tensors into the one-process run's model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from launch import run_losses, shardfit
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+
+COMMON = ("--steps", "4", "--seq", "64", "--micro-batch", "2", "--grad-accum", "4", "--lr", "3e-3",
+          "--save-every", "2", "--keep", "3", "--eval-every", "4", "--no-progress")
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_run(got, want):
+    got_records, want_records = _records(got), _records(want)
+    assert [r["step"] for r in got_records] == [1, 2, 3, 4]
+    for a, b in zip(got_records, want_records):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)  # every element counted once
+        assert a["tokens"] == b["tokens"], (a, b)  # a pipeline's batch counted once, not per stage
+    assert got_records[-1]["val_loss"] == pytest.approx(want_records[-1]["val_loss"], rel=1e-5)
+
+
+def _same_weights(got, want):
+    import torch
+    from safetensors.torch import load_file
+
+    a = load_file(str(next((got / "export").glob("*.safetensors"))))
+    b = load_file(str(next((want / "export").glob("*.safetensors"))))
+    assert a.keys() == b.keys()
+    for name, tensor in b.items():
+        torch.testing.assert_close(a[name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_two_stages_train_like_one_process_and_checkpoints_cross_layouts(tmp_path):
+    pp, one = tmp_path / "pp", tmp_path / "one"
+    result = shardfit("train", *COMMON, "--strategy", "ddp", "--pp", "2", "--nproc", "2", "--out", str(pp),
+                      "--export", str(pp / "export"), timeout=300)
+    assert "no sample" in result.stdout  # no rank holds the whole model to generate
+    shardfit("train", *COMMON, "--strategy", "single", "--nproc", "1", "--out", str(one),
+             "--export", str(one / "export"), timeout=300)
+    _same_run(pp, one)
+    _same_weights(pp, one)
+    # The pipeline's step-2 checkpoint, resumed in one process without a pipeline, and the one-process
+    # checkpoint resumed in 2 stages: DCP matches the tensors by the whole model's names.
+    for checkpoint, args, out in ((pp, ("--strategy", "single", "--pp", "1", "--nproc", "1"), tmp_path / "a"),
+                                  (one, ("--strategy", "ddp", "--pp", "2", "--nproc", "2"), tmp_path / "b")):
+        again = shardfit("train", *COMMON, *args, "--out", str(out), "--resume",
+                         str(checkpoint / "checkpoints" / "step-2"), timeout=300)
+        assert "resumed from" in again.stdout and "at step 2" in again.stdout
+        want = run_losses(one)
+        for step, loss in run_losses(out).items():
+            assert step > 2 and loss == pytest.approx(want[step], rel=1e-5), (out.name, step, loss, want)
+
+
+def test_fsdp2_stages_with_data_parallel_train_like_ddp(tmp_path):
+    pp, ddp = tmp_path / "pp", tmp_path / "ddp"
+    shardfit("train", *COMMON, "--strategy", "fsdp2", "--pp", "2", "--nproc", "4", "--out", str(pp),
+             "--export", str(pp / "export"), timeout=400)
+    shardfit("train", *COMMON, "--strategy", "ddp", "--nproc", "2", "--out", str(ddp),
+             "--export", str(ddp / "export"), timeout=300)
+    _same_run(pp, ddp)
+    _same_weights(pp, ddp)
+
+
+def test_pipeline_training_refuses_what_it_cannot_run(tmp_path):
+    for args, words in ((("--strategy", "zero2", "--pp", "2", "--nproc", "2"), "does not compose"),
+                        (("--strategy", "ddp", "--pp", "2", "--nproc", "3"), "does not divide"),
+                        (("--strategy", "ddp", "--pp", "2", "--nproc", "2", "--ac", "full"), "--ac none")):
+        result = shardfit("train", *args, "--steps", "1", "--out", str(tmp_path / "x"), check=False, timeout=120)
+        assert result.returncode != 0 and words in result.stderr, (args, result.stderr[-2000:])
+        assert "Traceback" not in result.stderr
