@@ -172,6 +172,11 @@ def shardfit(*args: str, timeout: float = 120, check: bool = True, env: dict | N
     return run([sys.executable, "-m", "shardfit", *args], timeout=timeout, check=check, env=env, cwd=cwd)
 
 
+def run_records(out: Path) -> list[dict]:
+    """Every line of a run's metrics.jsonl, in order."""
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
 def run_losses(out: Path) -> dict:
     """step -> loss from a run's metrics.jsonl; a step replayed after a restart keeps its last value."""
     found = {}

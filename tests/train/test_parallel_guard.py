@@ -1,5 +1,5 @@
-"""`shardfit train` refuses a layout its loop does not run (pp, cp, ep, sequence parallel; tp outside
-FSDP2) with one line, before it writes anything."""
+"""`shardfit train` refuses a layout its loop does not run (cp, ep, sequence parallel; tp outside FSDP2;
+pp with what the pipeline engine does not run) with one line, before it writes anything."""
 import pytest
 
 from shardfit.errors import ShardfitError
@@ -11,8 +11,9 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.mark.parametrize("strategy,parallelism,words", [
-    ("fsdp2", Parallelism(pp=2), "cp, pp, ep and sequence_parallel are for plan"),
-    ("fsdp2", Parallelism(tp=2, sequence_parallel=True), "cp, pp, ep and sequence_parallel are for plan"),
+    ("fsdp2", Parallelism(cp=2), "cp, ep and sequence_parallel are for plan"),
+    ("fsdp2", Parallelism(tp=2, sequence_parallel=True), "cp, ep and sequence_parallel are for plan"),
+    ("zero2", Parallelism(pp=2), "pipeline-parallel training runs its stages under"),
     ("ddp", Parallelism(tp=2), "runs under fsdp2"),
     ("fsdp2", Parallelism(tp=2), "loss_parallel false"),
 ])
@@ -38,9 +39,13 @@ def test_pipeline_engine_refuses_what_it_does_not_run_in_one_line():
     plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
                 cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(tp=2, pp=2))
     ctx = DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ShardfitError, match="runs pp x dp") as info:
-        check(plan, model, ctx)
+    with pytest.raises(ShardfitError, match="loss_parallel false") as info:
+        check(plan, model, ctx)  # tp inside a stage runs the model's own TP plan: gathered logits
     assert "\n" not in str(info.value)
+    ring = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
+                cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(cp=2, pp=2))
+    with pytest.raises(ShardfitError, match="runs pp x dp x tp"):
+        check(ring, model, ctx)
     zero = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("zero1"),
                 cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(pp=2))
     with pytest.raises(ShardfitError, match="runs under ddp or fsdp2"):

@@ -5,10 +5,8 @@ DCP checkpoints, keyed by the whole model's names, resume without a pipeline and
 the export gathers every stage's tensors into the one-process run's model."""
 from __future__ import annotations
 
-import json
-
 import pytest
-from launch import run_losses, shardfit
+from launch import run_losses, run_records, shardfit
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -17,12 +15,8 @@ COMMON = ("--steps", "4", "--seq", "64", "--micro-batch", "2", "--grad-accum", "
           "--save-every", "2", "--keep", "3", "--eval-every", "4", "--no-progress")
 
 
-def _records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
 def _same_run(got, want):
-    got_records, want_records = _records(got), _records(want)
+    got_records, want_records = run_records(got), run_records(want)
     assert [r["step"] for r in got_records] == [1, 2, 3, 4]
     for a, b in zip(got_records, want_records):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)

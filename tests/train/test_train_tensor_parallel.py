@@ -3,20 +3,14 @@
 DCP checkpoint resumes on 2 ranks without TP, and its export is the data-parallel run's model."""
 from __future__ import annotations
 
-import json
-
 import pytest
-from launch import run_losses, shardfit
+from launch import run_losses, run_records, shardfit
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
 COMMON = ("--strategy", "fsdp2", "--steps", "4", "--seq", "64", "--micro-batch", "2", "--lr", "3e-3",
           "--save-every", "2", "--keep", "3", "--eval-every", "4", "--no-progress")
-
-
-def _records(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_tensor_parallel_trains_resumes_on_another_mesh_and_exports(tmp_path):
@@ -31,7 +25,7 @@ def test_tensor_parallel_trains_resumes_on_another_mesh_and_exports(tmp_path):
     assert sorted(tp_losses) == [1, 2, 3, 4], result.stdout
     for step, loss in dp_losses.items():
         assert tp_losses[step] == pytest.approx(loss, rel=1e-4), (step, tp_losses, dp_losses)
-    tp_records, dp_records = _records(tp_run), _records(dp_run)
+    tp_records, dp_records = run_records(tp_run), run_records(dp_run)
     assert [r["tokens"] for r in tp_records] == [r["tokens"] for r in dp_records]  # each batch once, not per TP rank
     for tp_record, dp_record in zip(tp_records, dp_records):  # the clipping norm counts every element once
         assert tp_record["grad_norm"] == pytest.approx(dp_record["grad_norm"], rel=1e-4), (tp_record, dp_record)

@@ -214,41 +214,39 @@ def setup(plan, model, ctx) -> base.Engine:
             return torch.zeros(())
         ids, labels = stack_microbatches(pending, plan.training.seq_len, ctx.device)
         pending.clear()
-        losses: list = []
-        # NOTE: return_outputs=False: otherwise the last stage keeps every micro-batch's logits
-        # (m*b*s*V*d) until the next step, only to hand them back merged.
-        if stage_index == 0:
-            schedule.step(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
-        elif is_last:
-            schedule.step(target=labels, losses=losses, return_outputs=False)
-        else:
-            schedule.step(return_outputs=False)
         # The sum of the micro-batch losses, known on the last stage: sent to the ranks of its pipeline.
         # Returned for the last micro-batch only (0 for the others), so the loop's sum over micro-batches
         # is the same as an engine's that returns each one's.
-        loss = torch.stack([x.detach().float() for x in losses]).sum() if is_last else torch.zeros(())
+        loss = run_schedule(schedule.step, ids, labels)
         dist.broadcast(loss, group=pp_group, group_src=stages - 1)
         return loss
 
+    def run_schedule(run, ids, labels) -> torch.Tensor:
+        """schedule.step or .eval on this rank's part (the first stage feeds the ids, the last the
+        labels); the summed micro-batch losses on the last stage, 0 on the others. NOTE:
+        return_outputs=False: otherwise the last stage keeps every micro-batch's logits (m*b*s*V*d)
+        until the next step, only to hand them back merged."""
+        losses: list = []
+        if stage_index == 0:
+            run(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
+        elif is_last:
+            run(target=labels, losses=losses, return_outputs=False)
+        else:
+            run(return_outputs=False)
+        return torch.stack([x.detach().float() for x in losses]).sum() if is_last else torch.zeros(())
+
     def eval_loss(batches: list[dict]) -> torch.Tensor:
-        """The summed loss of `microbatches` held-out micro-batches, forward only through the schedule:
+        """The summed loss of the schedule's micro-batch count of held-out micro-batches, forward only:
         on the last stage's ranks (0 on the others)."""
         ids, labels = stack_microbatches(batches, plan.training.seq_len, ctx.device)
-        losses: list = []
         for part in modules:
             part.eval()
         try:
             with torch.no_grad():
-                if stage_index == 0:
-                    schedule.eval(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
-                elif is_last:
-                    schedule.eval(target=labels, losses=losses, return_outputs=False)
-                else:
-                    schedule.eval(return_outputs=False)
+                return run_schedule(schedule.eval, ids, labels)
         finally:
             for part in modules:
                 part.train()
-        return torch.stack([x.float() for x in losses]).sum() if is_last else torch.zeros(())
 
     def step():
         # The norm over every stage's parameters in one all-reduce, each element counted once: a stage's
