@@ -1,4 +1,4 @@
-"""`shardfit train` refuses a layout its loop does not run (cp, ep, sequence parallel; tp outside FSDP2;
+"""`shardfit train` refuses a layout its loop does not run (cp, ep, sequence parallel inside a pipeline; tp outside FSDP2;
 pp with what the pipeline engine does not run) with one line, before it writes anything."""
 import pytest
 
@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.mark.parametrize("strategy,parallelism,words", [
-    ("fsdp2", Parallelism(cp=2), "cp, ep and sequence_parallel are for plan"),
-    ("fsdp2", Parallelism(tp=2, sequence_parallel=True), "cp, ep and sequence_parallel are for plan"),
+    ("fsdp2", Parallelism(cp=2), "cp, ep and sequence parallel inside a pipeline are for plan"),
+    ("fsdp2", Parallelism(tp=2, pp=2, sequence_parallel=True), "sequence parallel inside a pipeline are for plan"),
     ("zero2", Parallelism(pp=2), "pipeline-parallel training runs its stages under"),
     ("ddp", Parallelism(tp=2), "runs under fsdp2"),
     ("fsdp2", Parallelism(tp=2), "loss_parallel false"),

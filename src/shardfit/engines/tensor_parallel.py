@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from shardfit.engines import sequence_parallel
 from shardfit.errors import ShardfitError
 
 
@@ -54,9 +55,9 @@ def apply(plan, model, ctx):
     from torch.distributed.device_mesh import init_device_mesh
 
     par = plan.parallelism
-    if par.cp > 1 or par.pp > 1 or par.ep > 1 or par.sequence_parallel:
-        raise ShardfitError("the FSDP2 engine runs tp (without sequence parallel) and dp only so far: cp, pp, ep "
-                            "and sequence_parallel are plan / estimate only (issue 14)")
+    if par.cp > 1 or par.pp > 1 or par.ep > 1:
+        raise ShardfitError("the FSDP2 engine runs tp (with or without sequence parallel) and dp only so far: cp, pp "
+                            "and ep are plan / estimate only here (issue 14)")
     if par.loss_parallel:
         raise ShardfitError("the engine runs the model's own transformers TP plan, whose lm_head gathers the logits: "
                             "set parallelism.loss_parallel false (--no-loss-parallel)")
@@ -64,17 +65,22 @@ def apply(plan, model, ctx):
     if ctx.world_size % tp:
         raise ShardfitError(f"tp = {tp} does not divide the {ctx.world_size} ranks: choose a divisor")
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh["tp"], model_tp_plan(model), type(model).__name__)
+    if par.sequence_parallel:
+        sequence_parallel.apply(model, mesh["tp"], model_tp_plan(model),
+                                lambda m, tp_mesh, wanted, styles: parallelize(m, tp_mesh, wanted, type(model).__name__, styles))
+    else:
+        parallelize(model, mesh["tp"], model_tp_plan(model), type(model).__name__)
     _retie(model)
     return mesh["dp"]
 
 
-def parallelize(module, tp_mesh, wanted: dict, name: str) -> None:
+def parallelize(module, tp_mesh, wanted: dict, name: str, styles: dict | None = None) -> None:
     """`parallelize_module` with the torch style of each transformers style name in `wanted`
-    ({module path pattern: style}, paths relative to `module`); `name` is the model's, for the error."""
+    ({module path pattern: style}, paths relative to `module`); `name` is the model's, for the error;
+    styles: the style table (default: replicated activations between the TP regions)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = _styles()
+    styles = styles or _styles()
     unknown = sorted({style for style in wanted.values() if style not in styles})
     if unknown:
         raise ShardfitError(f"{name}'s TP plan uses '{unknown[0]}', which shardfit does not map yet "

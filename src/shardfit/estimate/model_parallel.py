@@ -234,6 +234,14 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # FSDP's mixed precision. What crosses a stage boundary (the p2p buffers) is that stream.
     res = 4 if (t.precision == "fp32" or (plan.strategy.kind in ("ddp", "single") and t.precision != "bf16-pure")) else 2
     p2p = pipeline_buffers(plan, layout, first, last, res)
+    # torch's sequence parallel (engines/sequence_parallel.py, torchtitan's PrepareModuleInput) keeps,
+    # beside the sequence-sharded norm output, the all-gathered input of the attention and of the MLP
+    # that their colwise linears save: 2 x b*s*h per layer at full width, where Megatron's SP re-gathers
+    # it in backward (the paper's 34/t). Measured (FSDP2 x TP x SP, 4 CPU ranks, fp32, tiny-llama):
+    # 2 x 32,768 B per layer. Layers whose forward is recomputed save neither.
+    sp_gathered = 0
+    if layout.sequence_parallel and not paper and t.activation_checkpointing == "none":
+        sp_gathered = 2 * b * s * model.hidden_size * res * layers
     # The last stage's output (the logits) of each micro-batch in flight, which the stage keeps in its
     # forward cache to run that micro-batch's backward from the loss; the rank-local data-parallel
     # profile frees the logits at the loss. Measured: +2% over on tiny-llama under 1F1B and GPipe.
@@ -310,6 +318,7 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                 cats["activations"] = int(per_micro * in_flight)
             else:
                 cats["activations"] = int(cats["activations"] * scale + per_micro * (in_flight - 1))
+            cats["activations"] += int(sp_gathered * in_flight)
             moved = min(embedding_out, cats["activations"])
             cats["activations"] -= moved
             cats["temporaries"] += ring + moved
@@ -335,6 +344,9 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                       source="torch.distributed.pipelining stage.py: a receive buffer per micro-batch and chunk"),
                  Term(name="parallel.pp_kept_logits", bytes=kept_logits, formula="last stage: in_flight*b*(s/cp)*V*d",
                       inputs={"in_flight": in_flight}, source="torch.distributed.pipelining stage.py fwd_cache"),
+                 Term(name="parallel.sp_gathered_inputs", bytes=sp_gathered,
+                      formula="torch SP, no recompute: 2*b*(s/cp)*h*d per layer",
+                      inputs={"layers": layers}, source="torch PrepareModuleInput: the gathered input the colwise linears save"),
                  Term(name="parallel.tp_embedding_grad", bytes=embedding_grad,
                       formula="first stage, tp > 1, no FSDP: (V - V/tp)*h*grad dtype",
                       inputs={"tp": layout.tp}, source="torch DTensor embedding backward: a Replicate V x h gradient"),
