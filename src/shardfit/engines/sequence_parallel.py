@@ -10,7 +10,6 @@ MLP) all-gathers its sequence-sharded input once on entry, which is the tensor i
 """
 from __future__ import annotations
 
-
 from shardfit.errors import ShardfitError
 
 
@@ -43,15 +42,17 @@ def _gather_sequence(module, args, kwargs):
     return args, kwargs
 
 
-def apply(model, tp_mesh, wanted: dict, parallelize) -> None:
-    """Shard `model` over tp with sequence parallel: `wanted` is the model's TP plan ({path: style});
-    parallelize(module, mesh, plan, styles) applies one."""
-    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
-
+def check(model, wanted: dict) -> None:
     if "embedding_rowwise" not in wanted.values() or "colwise_gather_output" not in wanted.values():
         raise ShardfitError(f"{type(model).__name__}'s TP plan has no vocab-parallel embedding and gathered head, "
                             "which sequence parallel starts and ends at: set parallelism.sequence_parallel false")
-    parallelize(model, tp_mesh, wanted, sp_styles())
+
+
+def shard_between_regions(model, tp_mesh, wanted: dict) -> None:
+    """After the linears have their sequence-parallel styles (sp_styles): the norms on sequence shards
+    and the all-gather on entry to each module that owns colwise linears. `wanted`: the model's TP plan."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
     owners = {path.rsplit(".", 1)[0] for path, style in wanted.items() if style == "colwise" and "." in path}
     names = dict(model.named_modules())
     norms = {}
@@ -70,5 +71,3 @@ def apply(model, tp_mesh, wanted: dict, parallelize) -> None:
 def _matches(name: str, pattern: str) -> bool:
     parts, want = name.split("."), pattern.split(".")
     return len(parts) == len(want) and all(w == "*" or w == p for p, w in zip(parts, want))
-
-

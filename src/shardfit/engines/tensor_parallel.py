@@ -65,11 +65,13 @@ def apply(plan, model, ctx):
     if ctx.world_size % tp:
         raise ShardfitError(f"tp = {tp} does not divide the {ctx.world_size} ranks: choose a divisor")
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+    wanted = model_tp_plan(model)
     if par.sequence_parallel:
-        sequence_parallel.apply(model, mesh["tp"], model_tp_plan(model),
-                                lambda m, tp_mesh, wanted, styles: parallelize(m, tp_mesh, wanted, type(model).__name__, styles))
-    else:
-        parallelize(model, mesh["tp"], model_tp_plan(model), type(model).__name__)
+        sequence_parallel.check(model, wanted)
+    parallelize(model, mesh["tp"], wanted, type(model).__name__,
+                sequence_parallel.sp_styles() if par.sequence_parallel else None)
+    if par.sequence_parallel:
+        sequence_parallel.shard_between_regions(model, mesh["tp"], wanted)
     _retie(model)
     return mesh["dp"]
 
