@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from shardfit.estimate.estimator import estimate
-from shardfit.estimate.model_parallel import expert_weights, local_model
+from shardfit.estimate.expert_parallel import expert_weights
+from shardfit.estimate.model_parallel import local_model
 from shardfit.fit.parallel_time import step_time
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.parallelism import Parallelism, resolve

@@ -18,7 +18,7 @@ rest: Korthikanti's 10 + 24/t split), then:
   and the fp32 partial output + log-sum-exp the ring accumulates;
 - "ideal" accounting: activations are the paper's formulas (estimate/korthikanti.py) instead.
 The reported estimate is the rank with the highest peak; `stage_estimates` gives every stage.
-- expert parallel: the experts / ep on a rank, balanced routing (`_with_experts_sharded`).
+- expert parallel: the experts / ep on a rank, balanced routing (estimate/expert_parallel.py).
 Not modelled yet (issue 14): derived specs (traced coefficients cannot be sliced), TP's own
 communication buffers, routing imbalance. No torch here.
 """
@@ -29,6 +29,7 @@ from dataclasses import replace
 from shardfit.errors import ShardfitError
 from shardfit.estimate import korthikanti as kor
 from shardfit.estimate.activations import checkpointed_blocks
+from shardfit.estimate.expert_parallel import expert_weights, with_experts_sharded
 from shardfit.estimate.result import Estimate, Term
 from shardfit.estimate.states import block_linears
 from shardfit.spec.model_spec import ModelSpec
@@ -78,14 +79,6 @@ def local_model(model: ModelSpec, layout: Layout, layers: int, first: bool, last
                    intermediate_size=model.intermediate_size // t if model.intermediate_size else 0,
                    vocab_size=local_vocab, block_params=block, non_block_params=non_block,
                    largest_layer_params=largest)
-
-
-def expert_weights(model: ModelSpec) -> int:
-    """The routed experts' weights in one block (their MLP linears, one copy per expert)."""
-    if not model.num_experts:
-        return 0
-    return sum(i * o * n for name, i, o, n in block_linears(model)
-               if n == model.num_experts and name in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _colwise_biases(model: ModelSpec, outside_weights: int) -> int:
@@ -186,39 +179,13 @@ def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int) -> i
     return layout.microbatches * (2 * layout.virtual - first - last) * boundary
 
 
-def _with_experts_sharded(plan, layout: Layout, est: Estimate, sharded: Estimate, tokens: int, d: int) -> Estimate:
-    """Expert parallelism on a rank: it holds num_experts / ep experts per MoE block and computes on the
-    b*s*top_k rows routed to them, which balanced routing makes as many as without EP, so the saved
-    activations are unchanged. What a unit gathers in forward and backward is the sharded model's
-    (temporaries). The states: FSDP2 shards the experts over dp_shard*cp/ep ranks (torchtitan's efsdp
-    mesh), so a rank holds (E/ep) / (S/ep) = E/S of them, as without EP; a replicating strategy holds
-    its E/ep. Plus one all-to-all's send buffer (the permuted rows, b*s*top_k*h) beside the received
-    copy the experts save, inside a MoE block in forward and in backward."""
-    states_from = est if plan.strategy.kind == "fsdp2" else sharded
-    a2a = tokens * max(plan.model.experts_per_token, 1) * plan.model.hidden_size * d
-    phases = {}
-    for name, cats in est.phases.items():
-        merged = {**states_from.phases[name], "activations": cats["activations"],
-                  "temporaries": sharded.phases[name]["temporaries"]}
-        if name in ("forward", "backward"):
-            merged["temporaries"] += a2a
-        phases[name] = merged
-    term = Term(name="parallel.ep_all_to_all", bytes=a2a, formula="b*(s/cp)*top_k*h*d (the dispatch's send buffer)",
-                inputs={"ep": layout.ep, "top_k": plan.model.experts_per_token},
-                source="balanced routing; torchtitan / Megatron token dispatch (all-to-all)")
-    note = (f"expert parallel: {plan.model.num_experts // layout.ep} of {plan.model.num_experts} experts per MoE "
-            f"block on each of ep = {layout.ep} ranks; ASSUMED balanced routing (every expert gets "
-            "b*s*top_k/num_experts rows); a real router's imbalance adds to the busiest rank's expert activations")
-    return replace(est, phases=phases, terms=est.terms + (term,), assumptions=(note,) + est.assumptions)
-
-
 def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
     model, t = plan.model, plan.training
     first, last = stage == 0, stage == layout.pp - 1
     rank_model, est = rank_estimate(layers, first, last, None)
     if layout.ep > 1:
         _, sharded = rank_estimate(layers, first, last, None, layout.ep)
-        est = _with_experts_sharded(plan, layout, est, sharded, t.micro_batch * (t.seq_len // layout.cp),
+        est = with_experts_sharded(plan, layout, est, sharded, t.micro_batch * (t.seq_len // layout.cp),
                                     4 if t.precision == "fp32" else 2)
     one = _act_terms(est)
     scale = 1.0
