@@ -2,7 +2,7 @@
 
 For each architecture a tiny config of its own model type (shardfit.spec.tiny) is planned through the
 derived path (meta-device spec, traced activation coefficients) and run for real under torchrun with
-the tracker (shardfit.measure.worker: every engine, every phase, every rank). Printed per
+the tracker (shardfit.measure.worker: every engine, every phase, every rank; `single` on one rank). Printed per
 configuration: the worst category error over all phases and the peak error; then the share of
 configurations with every term within 5% (or 1% of its phase total when small) and every peak within
 5%, and the terms that miss. --json writes every comparison.
@@ -30,7 +30,7 @@ from shardfit.spec.plan import is_deepspeed_kind
 # hybrid attention, parallel attention + MLP, LayerNorm and RMSNorm, tied and untied heads.
 ARCHITECTURES = ("qwen3", "phi3", "olmo2", "deepseek_v3", "gpt_neox", "falcon", "gemma3_text", "qwen3_moe",
                  "starcoder2", "granitemoe", "opt", "bloom", "cohere")
-TORCH = ("ddp", "fsdp", "fsdp2")
+TORCH = ("single", "ddp", "fsdp", "fsdp2")
 DEEPSPEED = ("zero1", "zero2", "zero3")
 SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000, "prefetch_bucket_size": 100_000}
 
@@ -42,7 +42,7 @@ def plan_dict(model_dir: str, strategy: str, precision: str, ac: str) -> dict:
         fields["sharding"] = option
     if is_deepspeed_kind(kind):
         fields.update(SMALL_BUCKETS)
-    return {"model": model_dir, "strategy": fields, "cluster": {"nodes": 1, "gpus_per_node": 2},
+    return {"model": model_dir, "strategy": fields, "cluster": {"nodes": 1, "gpus_per_node": 1 if kind == "single" else 2},
             "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
 
 
@@ -60,12 +60,13 @@ def grid(folder: Path, archs, strategies, precisions, acs) -> list[dict]:
     return configs
 
 
-def measure(configs: list[dict], folder: Path, name: str, timeout: float) -> list[dict]:
+def measure(configs: list[dict], folder: Path, name: str, timeout: float, nproc: int = 2) -> list[dict]:
     if not configs:
         return []
     (folder / f"{name}.json").write_text(json.dumps(configs))
     out, log = folder / f"{name}.jsonl", folder / f"{name}.log"
-    code, seconds = torchrun_job([str(folder / f"{name}.json"), str(out)], 2, timeout, log, module="shardfit.measure.worker")
+    code, seconds = torchrun_job([str(folder / f"{name}.json"), str(out)], nproc, timeout, log,
+                                 module="shardfit.measure.worker")
     print(f"{name}: {len(configs)} configurations in {seconds:.0f} s (exit {code})", file=sys.stderr)
     return [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
@@ -113,12 +114,17 @@ def main() -> int:
         folder = Path(tmp)
         os.environ.setdefault("SHARDFIT_CACHE_DIR", str(folder / "cache"))
         configs = grid(folder, split(args.archs), strategies, split(args.precisions), split(args.ac))
-        torch_configs = [c for c in configs if not is_deepspeed_kind(c["plan"]["strategy"]["kind"])]
-        ds_configs = [c for c in configs if is_deepspeed_kind(c["plan"]["strategy"]["kind"])]
-        results = measure(torch_configs, folder, "torch", args.timeout) + measure(ds_configs, folder, "deepspeed", args.timeout)
+        kind = lambda config: config["plan"]["strategy"]["kind"]  # noqa: E731
+        single = [c for c in configs if kind(c) == "single"]
+        torch_configs = [c for c in configs if not is_deepspeed_kind(kind(c)) and kind(c) != "single"]
+        ds_configs = [c for c in configs if is_deepspeed_kind(kind(c))]
+        # One device, no wrapper: a one-rank job, as `shardfit train` launches it.
+        results = (measure(single, folder, "single", args.timeout, nproc=1)
+                   + measure(torch_configs, folder, "torch", args.timeout)
+                   + measure(ds_configs, folder, "deepspeed", args.timeout))
     lines, summary = summarize(results)
     print(f"host: {platform.node()}, Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-          f"2 CPU ranks, micro-batch 2 x seq 64")
+          f"2 CPU ranks (single: 1), micro-batch 2 x seq 64")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))

@@ -100,9 +100,14 @@ def trace_coefficients(cfg: dict, facts: dict, regime: str, attention: str, lora
     """Traced coefficients (floats) of every part: {"kinds": [..per block kind..], "pre", "post",
     "first_extra", "weight_copies": {"kinds": [...], "head": n}, "check_error", "experts"}.
     beyond_window: traced at sequences longer than the sliding window (what a longer run runs)."""
+    return run_trace(cfg, _trace, cfg, facts, regime, attention, lora, beyond_window)
+
+
+def run_trace(cfg, trace, *args):
+    """trace(*args), quiet, with a model whose code fake tensors cannot follow as one error line."""
     try:
         with quiet():
-            return _trace(cfg, facts, regime, attention, lora, beyond_window)
+            return trace(*args)
     except _DataDependent as exc:
         raise ShardfitError(f"{cfg.get('model_type')}: the forward cannot be traced on fake tensors ({exc}); "
                             f"plan it as a states-only model with --params, or pass a factory 'pkg.module:fn'") from None
@@ -113,7 +118,7 @@ class _DataDependent(Exception):
 
 
 @contextmanager
-def _grouped_mm_on_fake_tensors():
+def grouped_mm_on_fake_tensors():
     """NOTE: transformers' default experts kernel (grouped_mm: sort the b*s*top_k routed rows by
     expert, one grouped matmul) has static shapes whatever the routing, but torch's meta kernel of
     grouped_mm accepts only bf16; the real CPU kernel takes fp32 as well. transformers' own fallback
@@ -131,10 +136,10 @@ def _grouped_mm_on_fake_tensors():
         moe._can_use_grouped_mm = original
 
 
-def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
+def reduced_model(cfg, facts, regime, attention, lora, beyond_window=False):
+    """The reduced-depth copy on the meta device, in training mode: (model, its blocks, the traced
+    points [(b, s)...], vocabulary). The last point checks the fit of the others."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     dtype = torch.bfloat16 if regime == "half" else torch.float32
     base = trace_sequence_base(facts.get("max_position") or 0)
@@ -143,20 +148,39 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
         overrides.update(_window_below({**cfg, **overrides}, base))
     model = build_hf_model(cfg, device="meta", dtype=dtype, attn_implementation=attention, overrides=overrides)
     blocks = find_blocks(model)
-    kinds = facts["kinds"]
-    if len(blocks) != len(kinds):
-        raise ShardfitError(f"{cfg.get('model_type')}: the reduced copy has {len(blocks)} blocks, expected {len(kinds)}")
+    if len(blocks) != len(facts["kinds"]):
+        raise ShardfitError(f"{cfg.get('model_type')}: the reduced copy has {len(blocks)} blocks, "
+                            f"expected {len(facts['kinds'])}")
     if lora is not None:
         model = _with_lora(model, lora)
     model.train()
-    state = {"part": "pre"}
-    for index, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda _m, _a, i=index: state.__setitem__("part", i))
-        block.register_forward_hook(lambda _m, _a, _o: state.__setitem__("part", "post"))
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", 0) or 0)
     if not vocab:
         raise ShardfitError(f"{cfg.get('model_type')}: tracing needs a model with a vocabulary (input_ids and labels)")
     points = [(b, s * base) for s in (1, 2, 3) for b in (1, 2)] + [(3, 4 * base)]
+    return model, blocks, points, vocab
+
+
+def traced_run_failed(cfg, exc) -> Exception:
+    """The one-line error for a forward or backward that fake tensors cannot run."""
+    text = str(exc)
+    if "data-dependent" in text.lower() or "DynamicOutputShape" in type(exc).__name__ or "dynamic" in text.lower():
+        return _DataDependent(text.splitlines()[0][:160])
+    return ShardfitError(f"{cfg.get('model_type')}: tracing the forward failed ({type(exc).__name__}: "
+                         f"{text.splitlines()[0][:200]})")
+
+
+def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, blocks, points, vocab = reduced_model(cfg, facts, regime, attention, lora, beyond_window)
+    kinds = facts["kinds"]
+    state = {"part": "pre"}
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda _m, _a, i=index: state.__setitem__("part", i))
+        block.register_forward_hook(lambda _m, _a, _o: state.__setitem__("part", "post"))
     autocast = regime == "autocast"
 
     class Recorder(TorchDispatchMode):
@@ -215,15 +239,11 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             recorder = Recorder(params if autocast else set(), timeline)
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
-                with (masks_as_in_eager(), _grouped_mm_on_fake_tensors(),
+                with (masks_as_in_eager(), grouped_mm_on_fake_tensors(),
                       torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, recorder):
                     model(input_ids=input_ids, labels=input_ids)
             except (RuntimeError, NotImplementedError) as exc:
-                text = str(exc)
-                if "data-dependent" in text.lower() or "DynamicOutputShape" in type(exc).__name__ or "dynamic" in text.lower():
-                    raise _DataDependent(text.splitlines()[0][:160]) from None
-                raise ShardfitError(f"{cfg.get('model_type')}: tracing the forward failed ({type(exc).__name__}: "
-                                    f"{text.splitlines()[0][:200]})") from None
+                raise traced_run_failed(cfg, exc) from None
             parts: dict = {}
             weight: dict = {}
             for key, (part, nbytes) in saved.items():
@@ -292,18 +312,25 @@ def _with_lora(model, lora: tuple):
     return get_peft_model(model, config)
 
 
-def _lora_key(lora) -> str:
+def lora_key(lora) -> str:
     return "none" if lora is None else f"r{lora[0]}:{','.join(lora[1])}:{lora[2]}"
 
 
 def load_coefficients(spec, regime: str, attention: str, lora, beyond_window: bool = False) -> dict:
     """The cached coefficients of a derived spec, tracing (torch) on a miss. beyond_window: the set
     for sequences longer than the model's sliding window (see window_of)."""
+    key = f"{regime}|{attention}|{lora_key(lora)}" + ("|beyond-window" if beyond_window else "")
+    return cached_set(spec, key, lambda cfg, facts: trace_coefficients(cfg, facts, regime, attention, lora,
+                                                                       beyond_window))
+
+
+def cached_set(spec, key: str, compute) -> dict:
+    """One named set of a derived spec's traced terms from its cache entry; compute(config, facts) on a
+    miss, then written back (atomically) for the next run."""
     entry = _entry(spec)
-    key = f"{regime}|{attention}|{_lora_key(lora)}" + ("|beyond-window" if beyond_window else "")
     coefficients = entry.setdefault("coefficients", {})
     if key not in coefficients:
-        coefficients[key] = trace_coefficients(entry["config"], entry["facts"], regime, attention, lora, beyond_window)
+        coefficients[key] = compute(entry["config"], entry["facts"])
         spec_cache.write_entry(spec.config_hash, entry)
     return coefficients[key]
 

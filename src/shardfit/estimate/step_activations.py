@@ -6,10 +6,12 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from shardfit.estimate import activations as act
+from shardfit.estimate import backward_timeline
 from shardfit.estimate import chunked_loss as closs
 from shardfit.estimate import selective as sel
 from shardfit.estimate import temporaries
-from shardfit.estimate.derived import evaluate
+from shardfit.errors import ShardfitError
+from shardfit.estimate.derived import evaluate, window_of
 from shardfit.estimate.forward_timeline import inside_instants
 from shardfit.estimate.result import Term
 from shardfit.spec.plan import is_selective_ac, parse_activation_checkpointing
@@ -107,6 +109,10 @@ class Activations:
     weight_copies: int = 0           # autocast's cast cache in backward
     weight_copies_forward: int = 0   # ...and until forward ends
     traced_inside: list = field(default_factory=list)  # (activations, temporaries) inside the last block
+    # (part, activations, grads of the running part, grads done, temporaries, weight copies) at the
+    # traced backward's peak instants, at full depth (estimate/backward_timeline.py); empty: not traced
+    traced_backward: tuple = ()
+    traced_forward: tuple = ()  # (part, activations, temporaries, weight copies), the same trace's forward
 
     @property
     def last_block(self) -> int:
@@ -121,7 +127,8 @@ class Activations:
         """What an accounting that counts no activations keeps: only the checkpointed block inputs."""
         return replace(self, block=0, blocks=0, head=0, before_head=0, loss_forward=0, loss_inputs=0,
                        loss_backward=0, loss_grads=0, attention_forward=0, forward_work=0, backward_work=0,
-                       recompute=0, weight_copies=0, weight_copies_forward=0, traced_inside=[])
+                       recompute=0, weight_copies=0, weight_copies_forward=0, traced_inside=[], traced_backward=(),
+                       traced_forward=())
 
 
 def activations_step(plan, device: str, record: Recorder | None) -> Activations:
@@ -193,9 +200,47 @@ def _activations(model, kind: str, training, device: str, record: Recorder | Non
     # The cast cache lives until autocast exits (end of forward); backward keeps only the saved ones.
     out.weight_copies_forward = autocast_weight_copy_bytes(profile, model.num_layers, 0)
     out.weight_copies = autocast_weight_copy_bytes(profile, model.num_layers, checkpointed)
+    if kind in TRACED_BACKWARD_KINDS:
+        out.traced_backward, out.traced_forward = _traced_step(model, training, regime, acts_lora, out, record)
     if record:
         _record_activations(record, model, training, out, kept)
     return out
+
+
+# The engines whose backward the traced instants describe as they are: every gradient stays in .grad.
+TRACED_BACKWARD_KINDS = ("single", "ddp")
+
+
+def _traced_step(model, training, regime: str, lora, acts: Activations, record: Recorder | None) -> tuple:
+    """The traced backward and forward instants of a derived spec at the plan's shape
+    (estimate/backward_timeline.py); empty where they do not apply (hand-written families, the chunked
+    loss, per-layer checkpointing, a quantized base) or cannot be had (a cache miss without torch, a
+    model fake tensors cannot run)."""
+    if not model.derived or training.loss != "standard" or (lora is not None and lora.base_dtype != "fp32"):
+        return (), ()
+    layers = model.num_layers
+    if acts.checkpointed_blocks == 0:
+        mode = "none"
+    elif acts.checkpointed_blocks == layers:
+        mode = "selective" if selective_checkpointing(training.activation_checkpointing) else "full"
+    else:
+        return (), ()
+    profile, seq = acts.profile, training.seq_len
+    # What one block not yet reached holds: its saved tensors, or its checkpointed input (+ what SAC keeps).
+    ahead = acts.block if mode == "none" else int(profile.ckpt_input * acts.tokens + acts.kept_per_block)
+    # autocast's cast cache keeps every block's 16-bit weights until forward ends; backward still holds
+    # those a block saved (none when it is checkpointed).
+    casts = int(profile.weight_copies) if regime == "autocast" else 0
+    key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
+    try:
+        return backward_timeline.full_depth_instants(model, regime, training.attention, key_lora, mode,
+                                                     seq > (window_of(model) or seq), training.micro_batch, seq,
+                                                     ahead, casts if mode == "none" else 0, casts)
+    except (ImportError, ShardfitError) as exc:
+        if record:
+            record.notes.append(f"forward and backward peaks from the assumed instants (the step trace is "
+                                f"unavailable: {exc})")
+        return (), ()
 
 
 def _record_activations(record: Recorder, model, training, acts: Activations, kept) -> None:

@@ -1,0 +1,325 @@
+"""The backward's live bytes op by op, traced, for the backward-peak split.
+
+Where backward peaks, and how its bytes divide into activations, gradients and temporaries, depends
+on the order in which autograd frees saved tensors, recomputes a checkpointed block (stopping early
+once the last needed tensor is rebuilt), builds each weight's gradient and drops the gradients of
+activations. No instant fixed in advance holds for every block: Qwen3 under full checkpointing
+peaks inside the first block's MLP after its first weight gradient; OPT peaks at the very end, where
+the embedding's dense gradient sits beside every weight gradient; Bloom inside its gelu backward.
+
+So the reduced-depth copy (estimate/derived.py) runs forward and backward on fake tensors under the
+plan's checkpointing, and every storage is filed the way the memory tracker files it on a real rank
+(shardfit/measure/tracker.py, categories.py): created in forward and alive when backward starts, or
+created while a checkpointed block is recomputed -> activations; a parameter's .grad -> gradients;
+a dtype cast of a parameter -> weight copies; everything else -> temporaries. After each backward op
+the live bytes are split into (activations, gradients of the part running now, gradients of parts
+done, temporaries, weight copies); the instants that peak at some traced shape under some engine's
+weighting are fitted exactly in (b, s) like the saved bytes, and the estimator scales them to the
+full depth: the blocks the reduced copy lacks are either all still ahead (their activations alive) or
+all done (their gradients alive) -- total bytes are linear in where they sit, so one of the two ends
+is the largest.
+
+torch is imported inside the functions: importing this module is free.
+"""
+from __future__ import annotations
+
+import weakref
+from functools import lru_cache
+
+from shardfit import sac
+from shardfit.estimate.derived import (_solve, cached_set, evaluate, grouped_mm_on_fake_tensors, lora_key,
+                                       reduced_model, run_trace, traced_run_failed)
+from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
+
+SERIES = ("activations", "grads_current", "grads_done", "temporaries", "weight_copies")
+FORWARD_SERIES = ("activations", "temporaries", "weight_copies")
+# Which bytes each kind of engine keeps where the tracker sees them during backward: every gradient
+# in .grad (one device, DDP); the current unit's unsharded gradients only (FSDP: the done ones are
+# reduce-scattered to shards); no gradient in .grad (DeepSpeed moves each into its buckets at once).
+_WEIGHTINGS = ((1, 1, 1, 1, 1), (1, 1, 0, 1, 1), (1, 0, 0, 1, 1))
+CHECKPOINTING = ("none", "full", "selective")
+_NEVER = 1 << 62
+
+
+def load_backward(spec, regime: str, attention: str, lora, checkpointing: str, beyond_window: bool = False) -> dict:
+    """The traced backward instants of a derived spec under one checkpointing mode (none, full or
+    selective), from its cache entry; traced (torch) on a miss."""
+    key = (f"{regime}|{attention}|{lora_key(lora)}" + ("|beyond-window" if beyond_window else "")
+           + f"|backward-{checkpointing}")
+    return cached_set(spec, key, lambda cfg, facts: run_trace(cfg, _trace_backward, cfg, facts, regime, attention,
+                                                              lora, checkpointing, beyond_window))
+
+
+class _Lifetimes:
+    """Per storage lifetime: [bytes, created, freed, phase, part, is a weight cast]. A storage is freed
+    when its Python storage object dies (a weak reference, as the tracker watches real storages)."""
+
+    def __init__(self, skip: set):
+        self.skip, self.t = skip, 0
+        self.live: dict = {}
+        self.done: list = []
+        self._refs: dict = {}
+
+    def add(self, tensor, phase: str, part, cast: bool) -> None:
+        key = storage_key(tensor)
+        if key in self.skip or key in self.live:
+            return
+        storage = tensor.untyped_storage()
+        record = self.live[key] = [storage.nbytes(), self.t, _NEVER, phase, part, cast]
+        self._refs[id(record)] = weakref.ref(storage, lambda _ref, key=key: self._free(key))
+
+    def _free(self, key) -> None:
+        record = self.live.pop(key, None)
+        if record is not None:
+            record[2] = self.t
+            self._refs.pop(id(record), None)
+            self.done.append(record)
+
+
+def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_window) -> dict:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, blocks, points, vocab = reduced_model(cfg, facts, regime, attention, lora, beyond_window)
+    if checkpointing != "none":
+        _checkpoint_blocks(model, checkpointing == "selective")
+    state = {"phase": "forward", "part": "pre", "depth": 0, "node": None, "labels": []}
+
+    def enter(part):
+        def hook(_grad):
+            state["part"] = part
+        return hook
+
+    def block_output(_module, _args, output, index):
+        tensor = output[0] if isinstance(output, (tuple, list)) else output
+        if state["phase"] != "forward":
+            return
+        state["part"] = "post"
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(enter(index))  # its gradient is ready: that block's backward starts
+
+    def embedding_output(_module, _args, output):
+        if state["phase"] == "forward" and output.requires_grad:
+            output.register_hook(enter("pre"))
+
+    def pre_forward(_module, _args):
+        # NOTE: as the tracker: a module's forward inside backward is a recompute, which lasts until
+        # its forwards return or the autograd engine moves to another node (an early stop raises).
+        if state["phase"] == "backward":
+            if state["depth"] == 0:
+                state["node"] = torch._C._current_autograd_node()
+            state["depth"] += 1
+
+    def post_forward(_module, _args, _output):
+        if state["phase"] == "backward":
+            state["depth"] = max(0, state["depth"] - 1)
+
+    def block_start(_module, _args, index):
+        if state["phase"] == "forward":
+            state["part"] = index
+
+    for index, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda m, a, i=index: block_start(m, a, i))
+        block.register_forward_hook(lambda m, a, o, i=index: block_output(m, a, o, i))
+    model.get_input_embeddings().register_forward_hook(embedding_output)
+    for module in model.modules():
+        module.register_forward_pre_hook(pre_forward)
+        module.register_forward_hook(post_forward)
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self, lifetimes, params):
+            super().__init__()
+            self.lifetimes, self.params = lifetimes, params
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            lifetimes = self.lifetimes
+            lifetimes.t += 1
+            phase = state["phase"]
+            if phase == "backward":
+                if state["depth"] and torch._C._current_autograd_node() is state["node"]:
+                    phase = "recompute"
+                else:
+                    state["depth"] = 0
+            state["labels"].append((state["part"], str(func)))
+            cast = func is torch.ops.aten._to_copy.default and bool(args) and storage_key(args[0]) in self.params
+            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(tensor, torch.Tensor):
+                    lifetimes.add(tensor, phase, state["part"], cast)
+            return out
+
+    autocast = regime == "autocast"
+    series: dict = {}
+    forward: dict = {}
+    block_grads: dict = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        materialize(model)
+        params = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        for b, s in points:
+            for param in model.parameters():
+                param.grad = None
+            state.update(phase="forward", part="pre", depth=0, node=None, labels=[])
+            recorder = Recorder(_Lifetimes(params), params)
+            amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+            try:
+                with masks_as_in_eager(), grouped_mm_on_fake_tensors(), recorder:
+                    with amp:
+                        ids = torch.randint(0, vocab, (b, s))
+                        loss = model(input_ids=ids, labels=ids).loss
+                    start = recorder.lifetimes.t
+                    state.update(phase="backward", part="post")
+                    loss.backward()
+                    del loss
+            except (RuntimeError, NotImplementedError) as exc:
+                raise traced_run_failed(cfg, exc) from None
+            grads = {storage_key(p.grad) for p in model.parameters() if p.grad is not None}
+            lifetimes = recorder.lifetimes
+            series[(b, s)], block_grads[(b, s)] = _instants(lifetimes, start, state["labels"], grads)
+            forward[(b, s)] = _forward_instants(lifetimes, start, state["labels"])
+    fit_points = points[:-1]
+    return {"instants": _fit(series, points, facts["kinds"], _WEIGHTINGS, SERIES),
+            "forward_instants": _fit(forward, points, facts["kinds"], ((1, 1, 1),), FORWARD_SERIES),
+            "block_grads": [float(block_grads[fit_points[0]].get(i, 0)) for i in range(len(facts["kinds"]))],
+            "reduced_kinds": list(facts["kinds"])}
+
+
+def _checkpoint_blocks(model, selective: bool) -> None:
+    """Checkpoint every block as the engines do (engines/base.py apply_activation_checkpointing:
+    transformers' own non-reentrant checkpointing, SAC's context_fn for selective)."""
+    from shardfit.errors import ShardfitError
+
+    kwargs = {"use_reentrant": False, **({"context_fn": sac.context_fn} if selective else {})}
+    inner = getattr(model, "get_base_model", lambda: model)()
+    if not getattr(inner, "supports_gradient_checkpointing", False):
+        raise ShardfitError(f"{type(inner).__name__} has no gradient checkpointing of its own")
+    if hasattr(inner, "activation_checkpointing_enable"):
+        inner.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=1)
+    else:
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _forward_instants(lifetimes: _Lifetimes, start: int, labels: list) -> dict:
+    """{label: (activations, temporaries, weight copies)} after each forward op: a forward tensor alive
+    when backward starts is an activation from its creation on (the tracker's rule), one freed before
+    is a temporary; autocast's weight casts apart."""
+    diff = {name: [0] * (start + 2) for name in FORWARD_SERIES}
+    for nbytes, created, freed, phase, _, cast in [*lifetimes.done, *lifetimes.live.values()]:
+        if created > start:
+            continue
+        name = "weight_copies" if cast else "activations" if freed > start else "temporaries"
+        diff[name][created] += nbytes
+        diff[name][min(freed + 1, start + 1)] -= nbytes
+    return _labelled(diff, labels[:start], FORWARD_SERIES, lambda totals, i, part: tuple(totals[n] for n in FORWARD_SERIES))
+
+
+def _labelled(diff: dict, labels: list, names, row) -> dict:
+    """{"part|op#occurrence": row(running totals, op index, part)} after each op."""
+    out, seen, totals = {}, {}, dict.fromkeys(diff, 0)
+    for i, (part, op) in enumerate(labels, start=1):
+        for name in diff:
+            totals[name] += diff[name][i]
+        occurrence = seen[(part, op)] = seen.get((part, op), -1) + 1
+        out[f"{part}|{op}#{occurrence}"] = row(totals, i, part)
+    return out
+
+
+def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tuple[dict, dict]:
+    """({label: (activations, grads of the running part, grads of parts done, temporaries, weight
+    copies)} after each backward op, {block index: its gradient bytes})."""
+    end = lifetimes.t
+    size = end - start
+    labels = labels[start:]
+    parts = [part for part, _ in labels]
+    diff = {name: [0] * (size + 2) for name in ("activations", "grads", "temporaries", "weight_copies")}
+    grad_by_part: dict = {}  # part -> [(created offset, bytes)]
+    # A gradient is alive at the end: a freed storage's key may since belong to one.
+    grad_records = {id(r) for key, r in lifetimes.live.items() if key in grads}
+    for record in [*lifetimes.done, *lifetimes.live.values()]:
+        nbytes, created, freed, phase, _, cast = record
+        if created <= start and freed <= start:
+            continue  # a forward temporary: gone before backward
+        if cast:
+            name = "weight_copies"
+        elif id(record) in grad_records:
+            name = "grads"
+            grad_by_part.setdefault(parts[max(created - start, 1) - 1], []).append((created - start, nbytes))
+        elif phase in ("forward", "recompute"):
+            name = "activations"
+        else:
+            name = "temporaries"
+        # A storage freed after op t still lived while t made its outputs: alive through t.
+        lo, hi = max(created - start, 1), min(freed + 1, end + 1) - start
+        diff[name][lo] += nbytes
+        diff[name][hi] -= nbytes
+    def row(totals, i, part):
+        current = sum(n for t, n in grad_by_part.get(part, ()) if t <= i)
+        return (totals["activations"], current, totals["grads"] - current, totals["temporaries"],
+                totals["weight_copies"])
+
+    out = _labelled(diff, labels, SERIES, row)
+    block_grads = {part: sum(n for _, n in made) for part, made in grad_by_part.items() if isinstance(part, int)}
+    return out, block_grads
+
+
+def _fit(series: dict, points: list, kinds: list, weightings, names) -> list:
+    """The instants that peak at some traced shape under some engine's weighting, fitted exactly."""
+    fit_points, check = points[:-1], points[-1]
+    common = set.intersection(*(set(by_label) for by_label in series.values()))
+    chosen = set()
+    for by_label in series.values():
+        by_part: dict = {}
+        for label in common:
+            by_part.setdefault(label.split("|", 1)[0], []).append(label)
+        for labels in by_part.values():
+            for weights in weightings:
+                chosen.add(max(labels, key=lambda label: sum(w * v for w, v in zip(weights, by_label[label]))))
+    instants = []
+    for label in sorted(chosen):
+        fitted = {name: _solve({p: series[p][label][i] for p in fit_points}) for i, name in enumerate(names)}
+        actual = sum(series[check][label])
+        error = abs(sum(evaluate(c, *check) for c in fitted.values()) - actual) / max(actual, 1)
+        if error > 0.01:
+            continue  # an instant whose op sequence moves with the shape: not fitted
+        part = label.split("|", 1)[0]
+        block = int(part) if part.lstrip("-").isdigit() else -1
+        instants.append({"part": "block" if block >= 0 else part, "block": block,
+                         "kind": kinds[block] if 0 <= block < len(kinds) else -1,
+                         **{name: {t: float(v) for t, v in c.items()} for name, c in fitted.items()}})
+    return instants
+
+
+@lru_cache(maxsize=1024)
+def full_depth_instants(spec, regime: str, attention: str, lora, checkpointing: str, beyond_window: bool,
+                        b: int, s: int, block_acts: int, block_casts: int, forward_casts: int) -> tuple[tuple, tuple]:
+    """At each traced peak instant, scaled to the full depth: backward (part, activations, grads of the
+    running part, grads done, temporaries, weight copies) and forward (part, activations, temporaries,
+    weight copies); part: "pre" (the embedding), "block", "post" (the head and loss). block_acts / block_casts: what one block not yet reached
+    holds (its saved tensors, or its checkpointed input and what SAC kept; its autocast weight casts
+    kept for backward); forward_casts: the casts one block adds to autocast's cache in forward."""
+    traced = load_backward(spec, regime, attention, lora, checkpointing, beyond_window)
+    reduced_kinds = traced["reduced_kinds"]
+    full = [count for _, count, _ in spec.block_kinds]
+    extra = [max(0, n - reduced_kinds.count(kind)) for kind, n in enumerate(full)]
+    grads = traced["block_grads"]
+    per_kind_grads = [sum(g for g, k in zip(grads, reduced_kinds) if k == kind) / max(reduced_kinds.count(kind), 1)
+                      for kind in range(len(full))]
+    ahead = (sum(extra) * block_acts, sum(extra) * block_casts)
+    behind = int(sum(n * g for n, g in zip(extra, per_kind_grads)))
+    out = []
+    for instant in traced["instants"]:
+        a, gc, gd, t, w = (int(evaluate(instant[name], b, s)) for name in SERIES)
+        part = instant["part"]
+        if part != "pre":  # the missing blocks still ahead
+            out.append((part, a + ahead[0], gc, gd, t, w + ahead[1]))
+        if part != "post":  # the missing blocks done
+            out.append((part, a, gc, gd + behind, t, w))
+    forward = []
+    for instant in traced["forward_instants"]:
+        a, t, w = (int(evaluate(instant[name], b, s)) for name in FORWARD_SERIES)
+        part = instant["part"]
+        if part != "pre":  # the missing blocks already run
+            forward.append((part, a + ahead[0], t, w + sum(extra) * forward_casts))
+        if part != "post":  # the missing blocks still to run
+            forward.append((part, a, t, w))
+    return tuple(out), tuple(forward)
