@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import weakref
 from functools import lru_cache
+from typing import NamedTuple
 
 from shardfit import sac
 from shardfit.estimate.derived import (_solve, cached_set, evaluate, grouped_mm_on_fake_tensors, lora_key,
@@ -178,9 +179,12 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
             series[(b, s)], block_grads[(b, s)] = _instants(lifetimes, start, state["labels"], grads)
             forward[(b, s)] = _forward_instants(lifetimes, start, state["labels"])
     fit_points = points[:-1]
-    return {"instants": _fit(series, points, facts["kinds"], _WEIGHTINGS, SERIES),
+    return {"instants": _fit(series, points, facts["kinds"], _WEIGHTINGS, SERIES, part_ends=True),
             "forward_instants": _fit(forward, points, facts["kinds"], ((1, 1, 1),), FORWARD_SERIES),
+            # Gradient bytes each part makes (the same at every shape): blocks, head ("post"), embedding ("pre").
             "block_grads": [float(block_grads[fit_points[0]].get(i, 0)) for i in range(len(facts["kinds"]))],
+            "head_grads": float(block_grads[fit_points[0]].get("post", 0)),
+            "embedding_grads": float(block_grads[fit_points[0]].get("pre", 0)),
             "reduced_kinds": list(facts["kinds"])}
 
 
@@ -226,7 +230,7 @@ def _labelled(diff: dict, labels: list, names, row) -> dict:
 
 def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tuple[dict, dict]:
     """({label: (activations, grads of the running part, grads of parts done, temporaries, weight
-    copies)} after each backward op, {block index: its gradient bytes})."""
+    copies)} after each backward op, {part: the gradient bytes made in it})."""
     end = lifetimes.t
     size = end - start
     labels = labels[start:]
@@ -258,24 +262,27 @@ def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tu
                 totals["weight_copies"])
 
     out = _labelled(diff, labels, SERIES, row)
-    block_grads = {part: sum(n for _, n in made) for part, made in grad_by_part.items() if isinstance(part, int)}
-    return out, block_grads
+    return out, {part: sum(n for _, n in made) for part, made in grad_by_part.items()}
 
 
-def _fit(series: dict, points: list, kinds: list, weightings, names) -> list:
-    """The instants that peak at some traced shape under some engine's weighting, fitted exactly."""
+def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: bool = False) -> list:
+    """The instants that peak at some traced shape under some engine's weighting, fitted exactly.
+    part_ends: also each part's last op (where FSDP reduce-scatters the part's gradients)."""
     fit_points, check = points[:-1], points[-1]
     common = set.intersection(*(set(by_label) for by_label in series.values()))
-    chosen = set()
+    chosen, ends = set(), set()
     for by_label in series.values():
         by_part: dict = {}
-        for label in common:
-            by_part.setdefault(label.split("|", 1)[0], []).append(label)
+        for label in by_label:  # in op order
+            if label in common:
+                by_part.setdefault(label.split("|", 1)[0], []).append(label)
         for labels in by_part.values():
             for weights in weightings:
                 chosen.add(max(labels, key=lambda label: sum(w * v for w, v in zip(weights, by_label[label]))))
+            if part_ends:
+                ends.add(labels[-1])
     instants = []
-    for label in sorted(chosen):
+    for label in sorted(chosen | ends):
         fitted = {name: _solve({p: series[p][label][i] for p in fit_points}) for i, name in enumerate(names)}
         actual = sum(series[check][label])
         error = abs(sum(evaluate(c, *check) for c in fitted.values()) - actual) / max(actual, 1)
@@ -283,20 +290,52 @@ def _fit(series: dict, points: list, kinds: list, weightings, names) -> list:
             continue  # an instant whose op sequence moves with the shape: not fitted
         part = label.split("|", 1)[0]
         block = int(part) if part.lstrip("-").isdigit() else -1
-        instants.append({"part": "block" if block >= 0 else part, "block": block,
+        instants.append({"part": "block" if block >= 0 else part, "block": block, "end": label in ends,
                          "kind": kinds[block] if 0 <= block < len(kinds) else -1,
                          **{name: {t: float(v) for t, v in c.items()} for name, c in fitted.items()}})
     return instants
 
 
+class BackwardInstant(NamedTuple):
+    """One traced backward instant at full depth, in bytes as one device holds them (every gradient in
+    .grad). part: "post" (head and loss), "block", "pre" (embedding); inside a block, whether the full
+    model has a block above it (backward already through it) and below it (still ahead); end: the
+    part's last op."""
+    part: str
+    above: bool
+    below: bool
+    end: bool
+    activations: int
+    grads_current: int
+    grads_done: int
+    temporaries: int
+    weight_copies: int
+
+
+class ForwardInstant(NamedTuple):
+    part: str
+    activations: int
+    temporaries: int
+    weight_copies: int
+
+
+class TracedStep(NamedTuple):
+    """The traced instants at full depth, and the gradient bytes the head, the embedding and the whole
+    model make (what engines that move gradients need to split grads_done)."""
+    backward: tuple
+    forward: tuple
+    head_grads: int
+    embedding_grads: int
+    all_grads: int
+
+
 @lru_cache(maxsize=1024)
 def full_depth_instants(spec, regime: str, attention: str, lora, checkpointing: str, beyond_window: bool,
-                        b: int, s: int, block_acts: int, block_casts: int, forward_casts: int) -> tuple[tuple, tuple]:
-    """At each traced peak instant, scaled to the full depth: backward (part, activations, grads of the
-    running part, grads done, temporaries, weight copies) and forward (part, activations, temporaries,
-    weight copies); part: "pre" (the embedding), "block", "post" (the head and loss). block_acts / block_casts: what one block not yet reached
-    holds (its saved tensors, or its checkpointed input and what SAC kept; its autocast weight casts
-    kept for backward); forward_casts: the casts one block adds to autocast's cache in forward."""
+                        b: int, s: int, block_acts: int, block_casts: int, forward_casts: int) -> TracedStep:
+    """The traced step scaled to the full depth at (b, s). block_acts / block_casts: what one block not
+    yet reached holds in backward (its saved tensors, or its checkpointed input and what SAC kept; its
+    autocast weight casts kept for backward); forward_casts: the casts one block adds to autocast's
+    cache in forward."""
     traced = load_backward(spec, regime, attention, lora, checkpointing, beyond_window)
     reduced_kinds = traced["reduced_kinds"]
     full = [count for _, count, _ in spec.block_kinds]
@@ -306,20 +345,24 @@ def full_depth_instants(spec, regime: str, attention: str, lora, checkpointing: 
                       for kind in range(len(full))]
     ahead = (sum(extra) * block_acts, sum(extra) * block_casts)
     behind = int(sum(n * g for n, g in zip(extra, per_kind_grads)))
-    out = []
+    backward = []
+    top = len(reduced_kinds) - 1
+    missing = sum(extra) > 0
     for instant in traced["instants"]:
         a, gc, gd, t, w = (int(evaluate(instant[name], b, s)) for name in SERIES)
-        part = instant["part"]
-        if part != "pre":  # the missing blocks still ahead
-            out.append((part, a + ahead[0], gc, gd, t, w + ahead[1]))
-        if part != "post":  # the missing blocks done
-            out.append((part, a, gc, gd + behind, t, w))
+        part, end, index = instant["part"], instant.get("end", False), instant["block"]
+        if part != "pre":  # the missing blocks still ahead (below this block)
+            backward.append(BackwardInstant(part, 0 <= index < top, index > 0 or missing, end,
+                                            a + ahead[0], gc, gd, t, w + ahead[1]))
+        if part != "post" and (missing or part == "pre"):  # the missing blocks done (above it)
+            backward.append(BackwardInstant(part, index < top or missing, index > 0, end, a, gc, gd + behind, t, w))
     forward = []
     for instant in traced["forward_instants"]:
         a, t, w = (int(evaluate(instant[name], b, s)) for name in FORWARD_SERIES)
         part = instant["part"]
         if part != "pre":  # the missing blocks already run
-            forward.append((part, a + ahead[0], t, w + sum(extra) * forward_casts))
+            forward.append(ForwardInstant(part, a + ahead[0], t, w + sum(extra) * forward_casts))
         if part != "post":  # the missing blocks still to run
-            forward.append((part, a, t, w))
-    return tuple(out), tuple(forward)
+            forward.append(ForwardInstant(part, a, t, w))
+    head, embedding = int(traced["head_grads"]), int(traced["embedding_grads"])
+    return TracedStep(tuple(backward), tuple(forward), head, embedding, head + embedding + int(sum(grads)) + behind)

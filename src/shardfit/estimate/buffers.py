@@ -8,16 +8,34 @@ byte counts come from temporaries.py; this module only says which buffers coexis
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from shardfit.estimate import states as sts
 from shardfit.estimate.lora_sharding import largest_adapter
 from shardfit.estimate import temporaries as tmp
 from shardfit.spec.fsdp_units import separate_embedding_units
 
 
+class FsdpParts(NamedTuple):
+    """FSDP1 / FSDP2 buffers (bytes per rank) that the traced step's instants combine: the root's
+    gathered weights, one gathered unit and the two a unit's backward holds (itself + the prefetched
+    next), every unit when none reshards after forward, the embedding unit (torchtitan's wrapping), the
+    reduce-scatter input FSDP2 still holds of the last unit / of the head, one unit's reduce-scatter."""
+    root: int
+    unit: int
+    units: int
+    kept: int
+    embedding: int
+    separate: bool
+    held_unit: int
+    held_head: int
+    unit_reduce: int
+
+
 class Buffers:
     """Temporaries (bytes per rank) at each moment, plus the grads some engines hold apart."""
     __slots__ = ("rest", "fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end", "opt", "ckpt",
-                 "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late")
+                 "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late", "fsdp")
 
     def __init__(self, rest: int = 0, during: int | None = None):
         during = rest if during is None else during
@@ -28,6 +46,7 @@ class Buffers:
         self.grads_early = None  # grads once backward reaches the blocks, when allocated all at once
         # the head's grads beside grads_last / grads_full late in backward (None: head_grad, unsharded till the end)
         self.head_grad_late = None
+        self.fsdp: FsdpParts | None = None  # FSDP's buffers one by one, for the traced step's instants
 
 
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
@@ -73,6 +92,15 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     b.head_grad, b.end_grads = head_grad, end_extra
     if units is not None:
         _separate_units(b, units, root_b, one_unit, units_b, kept, st, model, lora_unit, shard, reduce_b, gather_bytes)
+    # FSDP2 keeps a reduce-scatter's flat input (reduce dtype) until the next one is issued
+    # (FSDPParamGroup.reduce_scatter_state), so it lives through the next unit's backward; FSDP1 frees
+    # its input once the shard is out.
+    held = kind == "fsdp2" and lora_unit is None
+    b.fsdp = FsdpParts(root=root_b, unit=one_unit, units=units_b, kept=kept,
+                       embedding=units[0] if units is not None else 0, separate=units is not None,
+                       held_unit=int(unit * reduce_b) if held else 0,
+                       held_head=int(model.vocab_size * model.hidden_size * reduce_b) if held and units else 0,
+                       unit_reduce=rs_b)
     if kind == "fsdp" and not s.offload_params:
         b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
     # The optimizer's largest tensor: FSDP2 shards every param; FSDP1 (use_orig_params) hands it views

@@ -7,6 +7,7 @@ from functools import lru_cache
 
 from shardfit.estimate import activations as act
 from shardfit.estimate import backward_timeline
+from shardfit.estimate import traced_phases
 from shardfit.estimate import chunked_loss as closs
 from shardfit.estimate import selective as sel
 from shardfit.estimate import temporaries
@@ -109,10 +110,8 @@ class Activations:
     weight_copies: int = 0           # autocast's cast cache in backward
     weight_copies_forward: int = 0   # ...and until forward ends
     traced_inside: list = field(default_factory=list)  # (activations, temporaries) inside the last block
-    # (part, activations, grads of the running part, grads done, temporaries, weight copies) at the
-    # traced backward's peak instants, at full depth (estimate/backward_timeline.py); empty: not traced
-    traced_backward: tuple = ()
-    traced_forward: tuple = ()  # (part, activations, temporaries, weight copies), the same trace's forward
+    # The traced step's peak instants at full depth (estimate/backward_timeline.py); None: not traced
+    traced_step: backward_timeline.TracedStep | None = None
 
     @property
     def last_block(self) -> int:
@@ -127,8 +126,7 @@ class Activations:
         """What an accounting that counts no activations keeps: only the checkpointed block inputs."""
         return replace(self, block=0, blocks=0, head=0, before_head=0, loss_forward=0, loss_inputs=0,
                        loss_backward=0, loss_grads=0, attention_forward=0, forward_work=0, backward_work=0,
-                       recompute=0, weight_copies=0, weight_copies_forward=0, traced_inside=[], traced_backward=(),
-                       traced_forward=())
+                       recompute=0, weight_copies=0, weight_copies_forward=0, traced_inside=[], traced_step=None)
 
 
 def activations_step(plan, device: str, record: Recorder | None) -> Activations:
@@ -200,31 +198,31 @@ def _activations(model, kind: str, training, device: str, record: Recorder | Non
     # The cast cache lives until autocast exits (end of forward); backward keeps only the saved ones.
     out.weight_copies_forward = autocast_weight_copy_bytes(profile, model.num_layers, 0)
     out.weight_copies = autocast_weight_copy_bytes(profile, model.num_layers, checkpointed)
-    if kind in TRACED_BACKWARD_KINDS:
-        out.traced_backward, out.traced_forward = _traced_step(model, training, regime, acts_lora, out, record)
+    if traced_phases.traced_kinds(kind):
+        out.traced_step = _traced_step(model, kind, training, regime, acts_lora, out, record)
     if record:
         _record_activations(record, model, training, out, kept)
     return out
 
 
-# The engines whose backward the traced instants describe as they are: every gradient stays in .grad.
-TRACED_BACKWARD_KINDS = ("single", "ddp")
-
-
-def _traced_step(model, training, regime: str, lora, acts: Activations, record: Recorder | None) -> tuple:
+def _traced_step(model, kind: str, training, regime: str, lora, acts: Activations,
+                 record: Recorder | None) -> backward_timeline.TracedStep | None:
     """The traced backward and forward instants of a derived spec at the plan's shape
-    (estimate/backward_timeline.py); empty where they do not apply (hand-written families, the chunked
-    loss, per-layer checkpointing, a quantized base) or cannot be had (a cache miss without torch, a
+    (estimate/backward_timeline.py); None where they do not apply (hand-written families, the chunked
+    loss, per-layer checkpointing, a quantized base, LoRA under a sharding engine, whose frozen
+    weights it keeps differently: estimate/lora_sharding.py) or cannot be had (a cache miss without torch, a
     model fake tensors cannot run)."""
     if not model.derived or training.loss != "standard" or (lora is not None and lora.base_dtype != "fp32"):
-        return (), ()
+        return None
+    if lora is not None and kind not in traced_phases.ONE_DEVICE:
+        return None
     layers = model.num_layers
     if acts.checkpointed_blocks == 0:
         mode = "none"
     elif acts.checkpointed_blocks == layers:
         mode = "selective" if selective_checkpointing(training.activation_checkpointing) else "full"
     else:
-        return (), ()
+        return None
     profile, seq = acts.profile, training.seq_len
     # What one block not yet reached holds: its saved tensors, or its checkpointed input (+ what SAC keeps).
     ahead = acts.block if mode == "none" else int(profile.ckpt_input * acts.tokens + acts.kept_per_block)
@@ -240,7 +238,7 @@ def _traced_step(model, training, regime: str, lora, acts: Activations, record: 
         if record:
             record.notes.append(f"forward and backward peaks from the assumed instants (the step trace is "
                                 f"unavailable: {exc})")
-        return (), ()
+        return None
 
 
 def _record_activations(record: Recorder, model, training, acts: Activations, kept) -> None:

@@ -3,7 +3,8 @@ the runtime overhead on top of the tensor peak."""
 from __future__ import annotations
 
 from shardfit.estimate import overhead as ovh
-from shardfit.estimate.step_activations import TRACED_BACKWARD_KINDS, Activations, Recorder
+from shardfit.estimate import traced_phases
+from shardfit.estimate.step_activations import Activations, Recorder
 from shardfit.estimate.step_states import States
 
 
@@ -20,11 +21,11 @@ def phases_step(plan, acts: Activations, states: States) -> tuple[dict[str, dict
     if plan.training.grad_accum > 1:
         # Gradients accumulate across micro-steps: the next forward runs with them allocated.
         grads_persistent = max(grads_persistent, grads_full)
-    if acts.traced_forward and plan.strategy.kind in TRACED_BACKWARD_KINDS:
-        acts_f, temps_f = _traced_forward_peak(acts, buf)
+    if acts.traced_step is not None:
+        acts_f, temps_f = traced_phases.forward_peak(acts.traced_step, buf)
     else:
         acts_f, temps_f = _forward_peak(acts, buf)
-    acts_b, grads_b, temps_b = _backward_peak(plan, acts, buf, grads_persistent, grads_full)
+    acts_b, grads_b, temps_b = _backward_peak(plan, acts, buf, states, grads_persistent, grads_full)
     phases = {
         "load": {"params": params, "grads": rest, "optimizer": opt, "activations": 0, "temporaries": buf.rest},
         "forward": {"params": params, "grads": grads_persistent, "optimizer": opt,
@@ -54,13 +55,14 @@ def _forward_peak(acts: Activations, buf) -> tuple[int, int]:
     return best
 
 
-def _backward_peak(plan, acts: Activations, buf, grads_persistent: int, grads_full: int) -> tuple[int, int, int]:
+def _backward_peak(plan, acts: Activations, buf, states: States, grads_persistent: int,
+                   grads_full: int) -> tuple[int, int, int]:
     """Backward peaks at its start (all activations + loss gradients), inside the first block it
     reaches (a recomputed block + one block's gradient working set), inside the last block (nearly
     every gradient + that block's activations) or at its end (all gradients); the largest wins.
     Returns (activations, grads, temporaries)."""
-    if acts.traced_backward and plan.strategy.kind in TRACED_BACKWARD_KINDS:
-        return _traced_backward_peak(acts, buf, grads_persistent)
+    if acts.traced_step is not None:
+        return traced_phases.backward_peak(plan, acts.traced_step, buf, states, grads_persistent)
     model = plan.model
     best = (acts.blocks + acts.head, grads_persistent + acts.loss_grads,
             buf.start + acts.loss_backward + acts.weight_copies)
@@ -84,32 +86,6 @@ def _backward_peak(plan, acts: Activations, buf, grads_persistent: int, grads_fu
                       (acts_reduced, grads_reduced + head_grad, buf.reduce + acts.weight_copies),
                       (acts.last_block, grads_last + head_late, buf.last + acts.backward_work),
                       (0, grads_full + head_late + buf.end_grads, buf.end)):
-        if sum(candidate) > sum(best):
-            best = candidate
-    return best
-
-
-def _traced_forward_peak(acts: Activations, buf) -> tuple[int, int]:
-    """One device / DDP: the largest traced forward instant (activations, temporaries with autocast's
-    casts; the trace ran the model's own loss, label copies and logits included), DDP's buckets beside."""
-    moment = {"pre": buf.fwd_block, "block": buf.fwd_block, "post": buf.fwd_loss}
-    best = (0, 0)
-    for part, activations, temporaries, casts in acts.traced_forward:
-        candidate = (activations, temporaries + casts + moment[part])
-        if sum(candidate) > sum(best):
-            best = candidate
-    return best
-
-
-def _traced_backward_peak(acts: Activations, buf, grads_persistent: int) -> tuple[int, int, int]:
-    """One device / DDP: the largest traced instant, every gradient where the trace saw it (.grad),
-    DDP's flat buckets beside them. Under accumulation the gradients are allocated from the first
-    micro-batch on; a later micro-batch adds into them, its fresh gradients freed as they are added."""
-    moment = {"post": buf.start, "block": buf.inside, "pre": buf.end}
-    best = (0, 0, 0)
-    for part, activations, grads_now, grads_done, temporaries, casts in acts.traced_backward:
-        grads = grads_persistent or grads_now + grads_done
-        candidate = (activations, grads, temporaries + casts + moment[part])
         if sum(candidate) > sum(best):
             best = candidate
     return best

@@ -158,8 +158,8 @@ def fsdp_units(module) -> tuple[list, list]:
 
 
 def _fsdp1_rules(handles):
-    """FSDP1: the gathered flat parameter and its low-precision shard are temporaries; the saved
-    gradient shard is a gradient."""
+    """FSDP1: the gathered flat parameter, its low-precision shard and its unsharded gradient are
+    temporaries; the saved gradient shard is a gradient."""
     for handle in handles:
         flat = handle.flat_param
         for name in ("_full_param_padded", "_mp_shard", "_full_prec_full_param_padded"):
@@ -173,11 +173,17 @@ def _fsdp1_rules(handles):
         local = getattr(flat, "_local_shard", None)
         if local is not None:
             yield local, "params"
+        # NOTE: in backward the unit's unsharded gradient is the flat parameter's .grad, and the original
+        # parameters' .grad are views of it; whichever scan runs before the reduce-scatter frees it would
+        # file it as gradients (a race between ranks). Larger than the local shard: the unsharded buffer.
+        grad = flat.grad
+        if grad is not None and local is not None and grad.numel() > local.numel():
+            yield grad, "temporaries"
 
 
 def _fsdp2_rules(groups):
-    """FSDP2: unsharded parameters and all-gather outputs are temporaries; sharded data is params
-    (host with CPUOffloadPolicy)."""
+    """FSDP2: unsharded parameters, their gradients before the reduce-scatter and all-gather outputs are
+    temporaries; sharded data is params (host with CPUOffloadPolicy)."""
     for group in groups:
         for fsdp_param in group.fsdp_params:
             offload = getattr(fsdp_param, "offload_to_cpu", False)
@@ -195,6 +201,12 @@ def _fsdp2_rules(groups):
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
             if unsharded is not None:
                 yield unsharded, "temporaries"
+                # NOTE: while a unit computes, FSDP2 registers the unsharded parameters on its modules,
+                # so model.parameters() yields them and their .grad would be filed as gradients by
+                # whichever scan runs before the reduce-scatter frees them (a race between ranks);
+                # they are the unit's unsharded gradient buffers, like FSDP1's: temporaries.
+                if unsharded.grad is not None:
+                    yield unsharded.grad, "temporaries"
 
 
 def engine_rules(model, optimizers, units=None):

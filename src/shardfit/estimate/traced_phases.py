@@ -1,0 +1,128 @@
+"""The forward and backward peaks of a plan from its traced step (estimate/backward_timeline.py).
+
+The trace sees one device with every gradient in .grad. Each engine keeps the same tensors and adds its
+own, and the tracker files some of them elsewhere; this module says, per engine, where each traced term
+goes at each instant and which engine buffers are alive beside it (estimate/buffers.py):
+- one device, DDP: as traced; DDP's flat buckets beside (allocated at wrap time).
+- FSDP1 / FSDP2: the running unit's gradients are unsharded temporaries; a unit's gradients become
+  shards (the gradients at rest, in the optimizer's dtype) once reduce-scattered at its end; the
+  head's and the embedding's stay unsharded until the root reduces at the end of backward (FSDP2 with
+  the embedding and head as units of their own reduces the head's right after its backward).
+- DeepSpeed ZeRO-1/2/3: each gradient is copied into the reduction bucket in its hook and dropped, so
+  none stays in .grad; the flat gradient partition exists from the first bucket reduction on, which
+  comes once reduce_bucket_size gradient elements were made (ZeRO-3's partition from the start).
+The largest instant wins; its split is the estimate's.
+"""
+from __future__ import annotations
+
+from shardfit.spec.fsdp_units import separate_embedding_units
+from shardfit.spec.plan import is_deepspeed_kind
+
+ONE_DEVICE = ("single", "ddp")
+FSDP = ("fsdp", "fsdp2")
+
+
+def traced_kinds(kind: str) -> bool:
+    """Whether the traced step sets this engine's forward and backward split."""
+    return kind in ONE_DEVICE or kind in FSDP or kind in ("zero1", "zero2", "zero3")
+
+
+def forward_peak(step, buf) -> tuple[int, int]:
+    """(activations, temporaries) at the largest traced forward instant: autocast's casts and the
+    loss's logits and label copies are in the trace (it ran the model's own loss); the engine's
+    gathered units or buckets beside them."""
+    moment = {"pre": buf.fwd_block, "block": buf.fwd_block, "post": buf.fwd_loss}
+    best = (0, 0)
+    for instant in step.forward:
+        candidate = (instant.activations, instant.temporaries + instant.weight_copies + moment[instant.part])
+        if sum(candidate) > sum(best):
+            best = candidate
+    return best
+
+
+def backward_peak(plan, step, buf, states, grads_persistent: int) -> tuple[int, int, int]:
+    """(activations, grads, temporaries) at the largest traced backward instant under the plan's engine."""
+    kind = plan.strategy.kind
+    if kind in FSDP:
+        split = _fsdp(plan, step, buf, states, grads_persistent)
+    elif is_deepspeed_kind(kind):
+        split = _deepspeed(plan, step, buf, states, grads_persistent)
+    else:
+        split = _one_device(step, buf, grads_persistent)
+    best = (0, 0, 0)
+    for candidate in split:
+        if sum(candidate) > sum(best):
+            best = candidate
+    return best
+
+
+def _moment(instant, buf) -> int:
+    """The engine's buffers at this instant: backward's start (the head), inside a block with another
+    still below it (the next unit prefetched), inside the first block, the embedding's backward."""
+    if instant.part == "post":
+        return buf.start
+    if instant.part == "block":
+        return buf.inside if instant.below else buf.last
+    return buf.last
+
+
+def _fsdp_moment(instant, parts) -> int:
+    """What FSDP holds beside the traced tensors: the root's weights; inside a block, its unit and the
+    next one prefetched (one alone in the first block, where FSDP2 prefetches the embedding unit
+    instead), every unit when none reshards; the reduce-scatter input FSDP2 still holds of the unit
+    above (of the head's unit, above the top block)."""
+    if instant.part == "post":
+        return parts.root + (parts.kept or parts.unit)
+    if instant.part == "pre":
+        return parts.root + parts.embedding + parts.held_unit
+    gathered = parts.kept or (parts.units if instant.below else parts.unit)
+    prefetched = parts.embedding if parts.separate and not instant.below else 0
+    return parts.root + gathered + prefetched + (parts.held_unit if instant.above else parts.held_head)
+
+
+def _one_device(step, buf, grads_persistent: int):
+    # Under accumulation the gradients exist from the first micro-batch on; a later micro-batch adds its
+    # fresh ones into them, each freed once added.
+    for i in step.backward:
+        grads = grads_persistent or i.grads_current + i.grads_done
+        yield i.activations, grads, i.temporaries + i.weight_copies + _moment(i, buf)
+
+
+def _fsdp(plan, step, buf, states, grads_persistent: int):
+    separate = separate_embedding_units(plan.strategy, plan.model)
+    total = max(step.all_grads, 1)
+
+    def sharded(traced_bytes: int) -> int:
+        # A reduced gradient's share of the gradients at rest (sharded, in the optimizer's dtype).
+        return grads_persistent or int(states.grads_full * traced_bytes / total)
+
+    for i in step.backward:
+        head_done = step.head_grads if i.part != "post" else 0
+        blocks_done = i.grads_done - head_done
+        # The head's unsharded gradient waits for the root's reduction at the end, unless it is a unit.
+        if separate:
+            grads, root_unsharded = sharded(blocks_done + head_done), 0
+        else:
+            grads, root_unsharded = sharded(blocks_done), head_done
+        unsharded = i.grads_current + root_unsharded
+        moment = buf.start if i.part == "post" else _fsdp_moment(i, buf.fsdp)
+        temps = i.temporaries + i.weight_copies + unsharded + moment
+        yield i.activations, grads, temps
+        if i.end and i.part == "block":  # the unit's reduce-scatter: its flat input and output beside
+            yield i.activations, grads, temps + buf.fsdp.unit_reduce
+        if i.end and i.part == "pre":  # the root's reduction: its gathered weights resharded first
+            yield i.activations, grads, i.temporaries + i.grads_current + root_unsharded + buf.end
+
+
+def _deepspeed(plan, step, buf, states, grads_persistent: int):
+    s = plan.strategy
+    # Elements per traced gradient byte: ZeRO runs a 16-bit model under bf16 / fp16.
+    per_byte = 1 / (4 if plan.training.precision == "fp32" else 2)
+    for i in step.backward:
+        made = (i.grads_current + i.grads_done) * per_byte
+        if buf.grads_early is not None:  # ZeRO-1/2: the flat partition from the first reduction on
+            grads = grads_persistent or (buf.grads_early if made >= s.reduce_bucket_size else 0)
+        else:
+            grads = grads_persistent
+        temps = i.temporaries + i.weight_copies + (buf.start if i.part == "post" and made == 0 else _moment(i, buf))
+        yield i.activations, grads, temps
