@@ -46,7 +46,7 @@ _LORA_FORWARD = ("LoRA forward (matrix_gaps.py _LORA_FORWARD): the adapter path 
 _STEP = ("optimizer-step scratch (matrix_gaps.py _STEP): 6 KiB above the estimator's single-tensor AdamW scratch, "
          "the same miss with the root unit: the step's scratch does not depend on the wrapping")
 GAPS = {
-    "separate/fp32/full": {"backward/grads": _BACKWARD},
+    "separate/fp32/full": {"backward/grads": _BACKWARD, "backward/temporaries": _BACKWARD},
     "separate/bf16/full": {"backward/temporaries": _BACKWARD},
     "separate/mistral/bf16/none": {"backward/grads": _BACKWARD, "backward/activations": _BACKWARD,
                                    "backward/temporaries": _BACKWARD, "optimizer/temporaries": _STEP},

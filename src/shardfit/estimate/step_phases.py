@@ -81,11 +81,17 @@ def _backward_peak(plan, acts: Activations, buf, states: States, grads_persisten
             acts_reduced = int(acts.blocks * (1 - blocks_done / model.num_layers))
     head_grad = buf.head_grad
     head_late = head_grad if buf.head_grad_late is None else buf.head_grad_late
-    for candidate in ((acts.blocks + acts.recompute, grads_persistent + head_grad,
-                       buf.inside + acts.backward_work + acts.weight_copies),
-                      (acts_reduced, grads_reduced + head_grad, buf.reduce + acts.weight_copies),
-                      (acts.last_block, grads_last + head_late, buf.last + acts.backward_work),
-                      (0, grads_full + head_late + buf.end_grads, buf.end)):
+    # FSDP's unsharded root gradients (the head's in the root unit, the embedding's at the end) are
+    # .grad of unsharded parameters until the root reduces: temporaries, as the tracker files them.
+    root_unsharded = buf.fsdp is not None and not buf.fsdp.separate
+    for acts_b, grads_b, temps_b, unsharded in (
+            (acts.blocks + acts.recompute, grads_persistent, buf.inside + acts.backward_work + acts.weight_copies,
+             head_grad),
+            (acts_reduced, grads_reduced, buf.reduce + acts.weight_copies, head_grad),
+            (acts.last_block, grads_last, buf.last + acts.backward_work, head_late),
+            (0, grads_full, buf.end + (buf.end_grads if buf.fsdp is not None else 0),
+             head_late + (0 if buf.fsdp is not None else buf.end_grads))):
+        candidate = (acts_b, grads_b, temps_b + unsharded) if root_unsharded else (acts_b, grads_b + unsharded, temps_b)
         if sum(candidate) > sum(best):
             best = candidate
     return best
