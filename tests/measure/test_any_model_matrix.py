@@ -40,15 +40,21 @@ def _plan(model_dir: str, strategy: str, precision: str, ac: str) -> dict:
             "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("any-model")
-    env = launch.test_env(SHARDFIT_CACHE_DIR=str(folder / "cache"))
+def tiny_models(folder) -> tuple[dict, dict]:
+    """A tiny config.json of each architecture under `folder`: ({arch: its folder}, the launch env
+    with a derived-spec cache of its own)."""
     models = {}
     for arch in ARCHITECTURES:
         (folder / arch).mkdir()
         (folder / arch / "config.json").write_text(json.dumps(tiny_config(arch)))
         models[arch] = str(folder / arch)
+    return models, launch.test_env(SHARDFIT_CACHE_DIR=str(folder / "cache"))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("any-model")
+    models, env = tiny_models(folder)
     torch_configs = [{"label": f"{arch}/{s}/{p}/ac-{a}", "steps": 2, "plan": _plan(models[arch], s, p, a)}
                      for index, arch in enumerate(ARCHITECTURES) for s, p, a in [ROTATION[index % len(ROTATION)]]]
     ds_configs = [{"label": f"{arch}/{s}/{p}/ac-{a}", "steps": 2, "plan": _plan(models[arch], s, p, a)}

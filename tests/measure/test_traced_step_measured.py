@@ -15,13 +15,11 @@ import pytest
 
 import launch
 from shardfit.measure.compare import off_terms
-from shardfit.spec.tiny import tiny_config
+from test_any_model_matrix import ARCHITECTURES, tiny_models
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 
-ARCHITECTURES = ("qwen3", "phi3", "olmo2", "deepseek_v3", "gpt_neox", "falcon", "gemma3_text", "qwen3_moe",
-                 "starcoder2", "granitemoe", "opt", "bloom", "cohere")
 SETTINGS = [(p, ac) for p in ("fp32", "bf16") for ac in ("none", "full", "selective")]
 
 
@@ -45,12 +43,7 @@ def _configs(models: dict, kind: str, offset: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traced-step")
-    env = launch.test_env(SHARDFIT_CACHE_DIR=str(folder / "cache"))
-    models = {}
-    for arch in ARCHITECTURES:
-        (folder / arch).mkdir()
-        (folder / arch / "config.json").write_text(json.dumps(tiny_config(arch)))
-        models[arch] = str(folder / arch)
+    models, env = tiny_models(folder)
     out = {}
     for kind, nproc, offset in (("single", 1, 0), ("ddp", 2, 1)):
         configs = _configs(models, kind, offset)

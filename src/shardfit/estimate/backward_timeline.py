@@ -28,8 +28,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from shardfit import sac
-from shardfit.estimate.derived import (_solve, cached_set, evaluate, grouped_mm_on_fake_tensors, lora_key,
-                                       reduced_model, run_trace, traced_run_failed)
+from shardfit.errors import ShardfitError
+from shardfit.estimate.derived import (cached_set, evaluate, grouped_mm_on_fake_tensors, lora_key,
+                                       reduced_model, run_trace, solve_exact, traced_run_failed)
 from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
 
 SERIES = ("activations", "grads_current", "grads_done", "temporaries", "weight_copies")
@@ -191,8 +192,6 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
 def _checkpoint_blocks(model, selective: bool) -> None:
     """Checkpoint every block as the engines do (engines/base.py apply_activation_checkpointing:
     transformers' own non-reentrant checkpointing, SAC's context_fn for selective)."""
-    from shardfit.errors import ShardfitError
-
     kwargs = {"use_reentrant": False, **({"context_fn": sac.context_fn} if selective else {})}
     inner = getattr(model, "get_base_model", lambda: model)()
     if not getattr(inner, "supports_gradient_checkpointing", False):
@@ -283,7 +282,7 @@ def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: 
                 ends.add(labels[-1])
     instants = []
     for label in sorted(chosen | ends):
-        fitted = {name: _solve({p: series[p][label][i] for p in fit_points}) for i, name in enumerate(names)}
+        fitted = {name: solve_exact({p: series[p][label][i] for p in fit_points}) for i, name in enumerate(names)}
         actual = sum(series[check][label])
         error = abs(sum(evaluate(c, *check) for c in fitted.values()) - actual) / max(actual, 1)
         if error > 0.01:

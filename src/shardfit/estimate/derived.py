@@ -43,7 +43,7 @@ def trace_sequence_base(max_position: int) -> int:
     return 64
 
 
-def _solve(points: dict) -> dict:
+def solve_exact(points: dict) -> dict:
     """Exact coefficients of v = A*b*s + B*b*s^2 + C*s + D*s^2 + E*b + F from v at b in (1, 2) and
     three sequence lengths: the b-dependent part from differences, the rest from b = 1."""
     # NOTE: imported here, with the tracer's torch: a cached `plan` never solves, and fractions (with
@@ -264,7 +264,7 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
     fit_points, check = points[:-1], points[-1]
 
     def solve(part, table=measured):
-        return _solve({p: table[p].get(part, 0) for p in fit_points})
+        return solve_exact({p: table[p].get(part, 0) for p in fit_points})
 
     n_kinds = max(kinds) + 1
     # The representative block of each kind: its last occurrence in the reduced copy (never block 0
@@ -295,7 +295,7 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
             # The peak instants inside each kind's block, split as the tracker files them.
             "forward_inside": [[{name: as_float(c) for name, c in instant.items()} for instant in
                                 peak_instants({p: instants[p][last[k]] for p in points}, fit_points, check,
-                                              _solve, evaluate)]
+                                              solve_exact, evaluate)]
                                for k in range(n_kinds)],
             "weight_copies": {"kinds": [float(copies.get(last[k], 0)) for k in range(n_kinds)],
                               "head": float(sum(v for p, v in copies.items() if not isinstance(p, int)))}}
