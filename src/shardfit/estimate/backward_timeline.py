@@ -266,7 +266,9 @@ def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tu
 
 def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: bool = False) -> list:
     """The instants that peak at some traced shape under some engine's weighting, fitted exactly.
-    part_ends: also each part's last op (where FSDP reduce-scatters the part's gradients)."""
+    part_ends (backward): also each part's last op (where FSDP reduce-scatters the part's gradients),
+    and the largest instant after the first gradient exists (DeepSpeed allocates its buckets at the
+    first gradient hook: a smaller instant after it can be the peak)."""
     fit_points, check = points[:-1], points[-1]
     common = set.intersection(*(set(by_label) for by_label in series.values()))
     chosen, ends = set(), set()
@@ -280,6 +282,10 @@ def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: 
                 chosen.add(max(labels, key=lambda label: sum(w * v for w, v in zip(weights, by_label[label]))))
             if part_ends:
                 ends.add(labels[-1])
+                later = [label for label in labels if by_label[label][1] + by_label[label][2] > 0]
+                if later:
+                    chosen.add(max(later, key=lambda label: sum(by_label[label]) - by_label[label][1]
+                                   - by_label[label][2]))
     instants = []
     for label in sorted(chosen | ends):
         fitted = {name: solve_exact({p: series[p][label][i] for p in fit_points}) for i, name in enumerate(names)}

@@ -124,5 +124,7 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
             grads = grads_persistent or (buf.grads_early if made >= s.reduce_bucket_size else 0)
         else:
             grads = grads_persistent
-        temps = i.temporaries + i.weight_copies + (buf.start if i.part == "post" and made == 0 else _moment(i, buf))
+        # The buckets appear at the first gradient hook; the head's backward holds no other unit's buffers.
+        temps = i.temporaries + i.weight_copies + (buf.start if made == 0 else buf.inside if i.part == "post"
+                                                   else _moment(i, buf))
         yield i.activations, grads, temps
