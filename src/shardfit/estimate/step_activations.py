@@ -231,9 +231,14 @@ def _traced_step(model, kind: str, training, regime: str, lora, acts: Activation
     casts = int(profile.weight_copies) if regime == "autocast" else 0
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     try:
-        return backward_timeline.full_depth_instants(model, regime, training.attention, key_lora, mode,
+        step = backward_timeline.full_depth_instants(model, regime, training.attention, key_lora, mode,
                                                      seq > (window_of(model) or seq), training.micro_batch, seq,
                                                      ahead, casts if mode == "none" else 0, casts)
+        if record:
+            record.notes.append(f"forward and backward peaks: the largest of {len(step.forward)} + "
+                                f"{len(step.backward)} instants of the model's own step traced under "
+                                f"checkpointing {mode} (estimate/backward_timeline.py), placed per engine")
+        return step
     except (ImportError, ShardfitError) as exc:
         if record:
             record.notes.append(f"forward and backward peaks from the assumed instants (the step trace is "
