@@ -7,6 +7,7 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 COLLECTIVE_TIMEOUT_ENV = "SHARDFIT_COLLECTIVE_TIMEOUT"  # set by `train --collective-timeout`
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -74,3 +75,25 @@ def init_timeout():
     save must not time out where the watchdog would have allowed it."""
     timeout = configured_timeout()
     return datetime.timedelta(seconds=max(6 * timeout, 1800.0)) if timeout else None
+
+
+def leave(code: int) -> NoReturn:
+    """End this rank's process now, stdout and stderr flushed, without the interpreter's teardown.
+    NOTE: at that teardown, tensors still referenced from gloo's C++ work objects (the last barrier, a
+    broadcast) are freed by gloo's worker thread while Python shuts down; taking the GIL then ends the
+    thread, which aborts a rank whose run succeeded ("terminate called without an active exception",
+    SIGABRT; 5 of 72 runs on a loaded 2-core CPU, torch 2.13). Call it only once everything this process
+    writes is closed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def finish_rank() -> NoReturn:
+    """The end of a finished CPU/GPU rank's script: the process group torn down together (a barrier,
+    then destroy) when one is up, then `leave(0)`."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    leave(0)

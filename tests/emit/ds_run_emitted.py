@@ -7,6 +7,8 @@ import deepspeed
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from shardfit.runtime_env import finish_rank
+
 
 def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
@@ -31,11 +33,8 @@ def main() -> None:
                                           "world": engine.world_size, "steps": engine.global_steps,
                                           "losses": losses}), flush=True)
         engine.destroy() if hasattr(engine, "destroy") else None
-    # NOTE: without an orderly teardown gloo's threads can abort the interpreter at exit
-    # ("terminate called without an active exception"), failing an otherwise good run.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish_rank()  # gloo can abort a finished rank in the interpreter's teardown

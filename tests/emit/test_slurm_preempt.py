@@ -62,8 +62,9 @@ def test_usr1_to_the_batch_shell_stops_saves_and_requeues(tmp_path):
     subprocess.run([sys.executable, "-m", "shardfit", "emit", "plan.yaml", "--format", "slurm", "-o", "job/"],
                    check=True, cwd=tmp_path, env=env, capture_output=True)
     script = tmp_path / "job" / "train.sbatch"
+    # A session of its own, as a batch shell has: no signal meant for the test runner's group reaches it.
     job = subprocess.Popen(["bash", str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen, deadline = [], time.monotonic() + 240
     try:
         for line in job.stdout:
@@ -75,11 +76,11 @@ def test_usr1_to_the_batch_shell_stops_saves_and_requeues(tmp_path):
         rest, _ = job.communicate(timeout=180)
     finally:
         if job.poll() is None:
-            job.kill()
+            os.killpg(job.pid, signal.SIGKILL)
     log = "".join(seen) + rest
     assert job.returncode == 0, log[-3000:]  # requeued: the script itself ends cleanly
     assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "4242"]
     marker = json.loads((tmp_path / "shardfit-run" / "stopped.json").read_text())
-    assert marker["signal"] == "SIGUSR1" and 2 <= marker["step"] < 400, marker
+    assert marker["signal"] == "SIGUSR1" and 2 <= marker["step"] < 400, (marker, log[-3000:])
     assert Path(marker["checkpoint"]).name == f"step-{marker['step']}"
     assert "training preempted (SIGUSR1)" in log and "Traceback" not in log, log[-3000:]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from shardfit.engines.base import init_distributed
+from shardfit.runtime_env import leave
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.plan import plan_from_dict
 from shardfit.train.loop import RunOptions, train
@@ -88,4 +89,4 @@ def main(spec_path: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    leave(main(sys.argv[1], sys.argv[2]))  # without the interpreter's teardown, where gloo can abort a finished rank

@@ -15,6 +15,7 @@ from accelerate import Accelerator
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardfit.integrations.accelerate import track
+from shardfit.runtime_env import finish_rank
 
 PRESET = Path(__file__).resolve().parents[2] / "src" / "shardfit" / "spec" / "presets" / "tiny-llama.json"
 SEQ = 64
@@ -57,3 +58,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    finish_rank()  # gloo can abort a finished rank in the interpreter's teardown

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import shardfit
 from shardfit.measure.report import gather
+from shardfit.runtime_env import finish_rank
 
 PRESET = Path(__file__).resolve().parents[2] / "src" / "shardfit" / "spec" / "presets" / "tiny-llama.json"
 SEQ = 64
@@ -47,10 +48,8 @@ def main():
             "losses": losses, "stage": engine.zero_optimization_stage(), "world": engine.world_size,
             "optimizer": type(getattr(engine, "basic_optimizer", None)).__name__,
             "phases": gathered.phases, "peak_by_rank": gathered.peak_by_rank()}))
-    # NOTE: without an orderly teardown gloo's threads can abort the interpreter at exit.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish_rank()  # gloo can abort a finished rank in the interpreter's teardown

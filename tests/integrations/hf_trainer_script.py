@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from shardfit.integrations.transformers import ShardfitCallback
+from shardfit.runtime_env import finish_rank
 
 PRESET = Path(__file__).resolve().parents[2] / "src" / "shardfit" / "spec" / "presets" / "tiny-llama.json"
 SEQ = 64
@@ -52,3 +53,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    finish_rank()  # gloo can abort a finished rank in the interpreter's teardown

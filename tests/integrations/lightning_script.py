@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStr
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from shardfit.integrations.lightning import ShardfitCallback
+from shardfit.runtime_env import finish_rank
 
 PRESET = Path(__file__).resolve().parents[2] / "src" / "shardfit" / "spec" / "presets" / "tiny-llama.json"
 SEQ, MICRO = 64, 4
@@ -126,3 +127,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    finish_rank()  # gloo can abort a finished rank in the interpreter's teardown

@@ -88,5 +88,8 @@ def test_derived_estimate_against_a_real_step(results, label):
     if label.endswith("ac-none") and arch not in FORWARD_SPLIT:
         row = comparison["forward"]["activations"]
         assert row["predicted"] == pytest.approx(row["measured"], rel=0.05), row
+    if "/fsdp:" in label:  # FSDP1's step over the views of its flat shards (estimate/flat_shards.py)
+        row = comparison["optimizer"]["temporaries"]
+        assert row["predicted"] == pytest.approx(row["measured"], rel=0.05), row
     peak = comparison["peak"]
     assert abs(peak["error"]) <= 0.10, peak

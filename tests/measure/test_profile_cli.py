@@ -62,6 +62,20 @@ def test_profile_script_reports_every_rank(tmp_path):
     assert result["phases"]["optimizer"]["grads"] == 4 * n
 
 
+@pytest.mark.multirank  # a real `shardfit profile` run: torchrun with 2 ranks
+@pytest.mark.slow
+def test_profile_script_that_ends_with_os_exit_still_reports_every_rank():
+    # The scripts `shardfit emit` writes end a CPU rank with os._exit(0): the report must survive it,
+    # and the script's exit code must still be the run's.
+    done = shardfit("profile", "--script", str(DATA / "user_train.py"), "--json", "--", "--steps", "2",
+                    "--width", "64", "--os-exit", "0", timeout=300)
+    result = json.loads(done.stdout)
+    assert result["world_size"] == 2 and result["phases"]["optimizer"]["grads"] > 0
+    failed = shardfit("profile", "--script", str(DATA / "user_train.py"), "--", "--steps", "2", "--width", "64",
+                      "--os-exit", "3", timeout=300, check=False)
+    assert failed.returncode != 0 and "exit code 3" in failed.stderr, failed.stderr[-2000:]
+
+
 @pytest.mark.multirank  # a real `shardfit profile` run: torchrun with 1-2 ranks
 @pytest.mark.slow
 def test_profile_script_that_fails_shows_its_own_error_and_what_it_reached():

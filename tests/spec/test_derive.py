@@ -85,6 +85,10 @@ def test_every_lm_model_type_derives_exactly(model_type):
     assert spec.non_block_params == spec.n_params - in_blocks >= 0
     assert spec.block_params == max(params for _, _, params in spec.block_kinds)
     assert sum(__import__("math").prod(shape) * n for shape, n in spec.tensor_shapes) == spec.n_params
+    # FSDP1's units in optimizer order: every parameter once; the root's are the non-block ones.
+    assert sum(sum(sizes) * repeat for _, sizes, repeat in spec.param_order) == spec.n_params
+    assert sum(sum(sizes) for unit, sizes, _ in spec.param_order if unit == "root") == spec.non_block_params
+    assert sum(repeat for unit, _, repeat in spec.param_order if unit == "block") == spec.num_layers
     assert 1 <= facts["depth"] <= spec.num_layers and len(facts["kinds"]) == facts["depth"]
 
 

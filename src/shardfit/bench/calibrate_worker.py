@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shardfit.bench.calibrate_engines import fsdp_units
 from shardfit.bench.calibrate_hooks import ddp_hook, deepspeed_hooks, eager_dispatch, sac_dispatch, say
-from shardfit.runtime_env import extensions_dir
+from shardfit.runtime_env import extensions_dir, leave
 
 # Shapes per device: CPU ranks run thin matmuls at a few GFLOP/s; a GPU needs LLM-sized ones.
 MATMUL_TOKENS = {"cpu": (64, 256, 1024, 4096), "cuda": (512, 2048, 8192, 16384)}
@@ -274,4 +274,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())  # without the interpreter's teardown, where gloo can abort a finished rank

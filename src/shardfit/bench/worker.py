@@ -31,6 +31,7 @@ from shardfit.data.sampler import Position
 from shardfit.measure.api import profile
 from shardfit.measure.oom import diagnose, worst_rank_diagnosis
 from shardfit.measure.report import gather
+from shardfit.runtime_env import leave
 from shardfit.spec.gpus import get_gpu
 from shardfit.spec.plan import is_deepspeed_kind, plan_from_dict
 
@@ -384,9 +385,6 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     status = main()
-    # NOTE: as train's workers do (commands/train.py): leave without the interpreter's teardown, where
-    # tensors held by gloo's C++ work objects are freed mid-shutdown and abort a finished rank now and
-    # then (SIGABRT after its result was written, which bench would report as a failed strategy).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    # Without the interpreter's teardown: gloo can abort a finished rank there (SIGABRT after its result
+    # was written, which bench would report as a failed strategy).
+    leave(status)

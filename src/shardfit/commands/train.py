@@ -13,6 +13,7 @@ from dataclasses import fields, replace
 from shardfit.commands.kernel_flags import add_kernel_arguments
 from shardfit.commands.lora_flags import add_lora_arguments
 from shardfit.errors import ShardfitError
+from shardfit.runtime_env import leave
 from shardfit.spec.sizes import size_type
 from shardfit.train import autopilot, preempt, supervise
 from shardfit.train.flags import TrainFlags
@@ -141,13 +142,7 @@ def run(args) -> int:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
-    # NOTE: a finished worker leaves without the interpreter's final teardown: there, tensors still
-    # referenced from gloo's C++ work objects are freed while Python is being torn down, which
-    # aborts the process now and then ("terminate called without an active exception", SIGABRT)
-    # after a run that succeeded. Everything this process wrote is closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)  # without the interpreter's teardown, where gloo can abort a finished rank
 
 
 _LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint", "--max-restarts")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from shardfit.estimate import flat_shards
 from shardfit.estimate import states as sts
 from shardfit.estimate.lora_sharding import largest_adapter
 from shardfit.estimate import temporaries as tmp
@@ -108,8 +109,11 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     largest = sts.largest_tensor(model, largest)
     if lora is not None:  # the optimizer holds the adapters only
         largest = largest_adapter(model, lora.rank, tuple(lora.target_modules))
-    biggest = largest // shard + 1 if kind == "fsdp2" else min(largest, max(unit, root) // shard + 1)
-    b.opt = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, biggest)
+    biggest, previous = (largest // shard + 1 if kind == "fsdp2" else min(largest, max(unit, root) // shard + 1)), 0
+    if kind == "fsdp" and lora is None and model.param_order:
+        # The views of the flat shards, in the optimizer's order (derived specs know the layout).
+        biggest, previous = flat_shards.fsdp1_step_scratch(model.param_order, shard, int(gather_bytes))
+    b.opt = tmp.optimizer_step_temp_bytes(optimizer, impl, st.trained_per_rank, st.state_bytes, biggest, previous)
     b.ckpt = tmp.checkpoint_save_bytes(checkpoint, max(unit, root), st.state_bytes)
     if rec is not None:
         rec("temporaries.fsdp_root_unit", root_b, "non_block_params*gather_bytes",

@@ -15,10 +15,12 @@ import json
 import os
 import runpy
 import sys
+import threading
 import traceback
+from pathlib import Path
 
 from shardfit.measure.api import profile
-from pathlib import Path
+from shardfit.runtime_env import leave
 
 TAIL_LINES = 12
 
@@ -55,6 +57,22 @@ def _print_script_traceback(exc, script: str) -> None:
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
+class _LeftThroughExit(BaseException):
+    """The script called os._exit(code): raised in its place, so this rank's report is still written."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+def _exit_from(real_exit):
+    def exit_(code: int = 0):
+        if threading.current_thread() is not threading.main_thread():
+            real_exit(code)  # a watchdog thread ending a hung process: as the script meant
+        raise _LeftThroughExit(int(code))
+    return exit_
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out_dir, script, script_args = Path(argv[0]), argv[1], argv[2:]
@@ -64,10 +82,17 @@ def main(argv=None) -> int:
     prof = profile(explain_oom=False, label=Path(script).name)
     tail = _StderrTail(sys.stderr)
     sys.stderr = tail
-    code = 0
+    code, leave_now = 0, False
+    # NOTE: a script may end with os._exit (the scripts `shardfit emit` writes do on CPU, past gloo's
+    # teardown abort): that would end this process before the report below is written. In its place
+    # it ends the script only; this rank then leaves the same way, once the report is on disk.
+    real_exit = os._exit
+    os._exit = _exit_from(real_exit)
     try:
         with prof:
             runpy.run_path(script, run_name="__main__")
+    except _LeftThroughExit as exc:
+        code, leave_now = exc.code, True
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if exc.code is not None and not isinstance(exc.code, int):
@@ -77,11 +102,14 @@ def main(argv=None) -> int:
         code = 1
     finally:
         sys.stderr = tail._stream
+        os._exit = real_exit
     report = prof.report().to_dict()
     report["script"] = {"exit_code": code, "phase": prof.current_phase, "step": prof.step,
                         "stderr_tail": tail.tail() if code else []}
     rank = int(os.environ.get("RANK", "0"))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
+    if leave_now:
+        leave(code)
     return code
 
 

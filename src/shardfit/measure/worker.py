@@ -31,6 +31,7 @@ from shardfit.measure.oom import worst_rank_diagnosis
 from shardfit.measure.report import gather
 from shardfit.measure.run import load_plan
 from shardfit.modeling import build_model
+from shardfit.runtime_env import leave
 from shardfit.spec.plan import is_deepspeed_kind
 
 
@@ -165,4 +166,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    leave(main())  # without the interpreter's teardown, where gloo can abort a finished rank

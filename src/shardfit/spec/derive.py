@@ -202,6 +202,33 @@ def single_adam_peak(model) -> int:
     return max(2 * n + (sizes[i - 1] if i else 0) for i, n in enumerate(sizes))
 
 
+def param_order(model, blocks) -> tuple:
+    """((unit, (numel, ...), repeat), ...): the unique parameters in the order model.parameters() gives
+    them (the order FSDP1's use_orig_params views reach the optimizer), grouped by the FSDP unit that
+    flattens them: "root" (everything outside the blocks: one flat parameter, however many groups) or
+    "block" (one flat parameter per block; `repeat` consecutive blocks with the same sizes)."""
+    owner = {id(q): i for i, block in enumerate(blocks) for q in block.parameters()}
+    groups: list = []
+    seen: set = set()
+    for q in model.parameters():
+        if id(q) in seen:
+            continue
+        seen.add(id(q))
+        unit = owner.get(id(q), "root")
+        if groups and groups[-1][0] == unit:
+            groups[-1][1].append(int(q.numel()))
+        else:
+            groups.append((unit, [int(q.numel())]))
+    order: list = []
+    for unit, sizes in groups:
+        name = "root" if unit == "root" else "block"
+        if name == "block" and order and order[-1][0] == "block" and order[-1][1] == tuple(sizes):
+            order[-1] = ("block", order[-1][1], order[-1][2] + 1)
+        else:
+            order.append((name, tuple(sizes), 1))
+    return tuple(order)
+
+
 def _first_int(config, names, default=0) -> int:
     for name in names:
         try:
@@ -312,7 +339,7 @@ def _derive(cfg: dict, name: str, source: str, config_hash: str) -> tuple[ModelS
         largest_layer_params=largest, non_block_params=n_params - block_total,
         derived=True, model_class=type(model).__name__, config_hash=config_hash,
         block_kinds=tuple(per_kind), linears=block_linears(blocks), tensor_shapes=tensor_shapes(model),
-        single_adam_peak=single_adam_peak(model),
+        single_adam_peak=single_adam_peak(model), param_order=param_order(model, blocks),
     )
     depth = reduced_depth(kinds)
     facts = {"depth": len(blocks), "kinds": [kind_list.index(k) for k in kinds]}

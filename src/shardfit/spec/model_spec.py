@@ -55,6 +55,10 @@ class ModelSpec:
     # 2*numel + the previous one's (its sqrt/div temporaries next to the previous `denom`); derived
     # specs only (0: use the hand-written largest-layer rule).
     single_adam_peak: int = 0
+    # ((unit, (numel, ...), repeat), ...): every unique parameter in registration order, grouped by the
+    # FSDP unit that flattens it ("root" or "block"; `repeat` equal blocks in a row), for FSDP1's flat
+    # shards (estimate/flat_shards.py); derived specs only.
+    param_order: tuple = ()
 
     @property
     def largest_unit_params(self) -> int:
@@ -85,7 +89,7 @@ class ModelSpec:
 
     def __post_init__(self):
         # NOTE: YAML/JSON give lists; a frozen spec is a cache key, so nested sequences become tuples.
-        for name in ("block_kinds", "linears", "tensor_shapes"):
+        for name in ("block_kinds", "linears", "tensor_shapes", "param_order"):
             object.__setattr__(self, name, _tuples(getattr(self, name)))
 
     @classmethod

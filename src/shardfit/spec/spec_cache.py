@@ -21,7 +21,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 # NOTE: bump when derive.py or the traced coefficients change meaning: old entries are then ignored.
-DERIVATION_VERSION = 6  # 5: forward_inside (traced peak instants inside blocks); 6: block_ops
+DERIVATION_VERSION = 7  # 5: forward_inside (traced peak instants inside blocks); 6: block_ops; 7: param_order
 
 
 def cache_dir() -> Path:

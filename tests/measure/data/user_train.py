@@ -1,5 +1,6 @@
 """A user's own DDP training script, unaware of shardfit (profiled by `shardfit profile --script`)."""
 import argparse
+import os
 import sys
 
 import torch
@@ -10,6 +11,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--width", type=int, default=256)
 parser.add_argument("--fail-at-step", type=int, default=None, help="raise after this step's backward (a broken script)")
+parser.add_argument("--os-exit", type=int, default=None, help="end with os._exit(CODE), as emitted CPU scripts do")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -27,3 +29,6 @@ for step in range(args.steps):
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 dist.destroy_process_group()
+if args.os_exit is not None:
+    sys.stdout.flush()
+    os._exit(args.os_exit)
