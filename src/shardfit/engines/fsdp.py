@@ -1,9 +1,9 @@
 """FSDP1: FullyShardedDataParallel with one unit per block (auto-wrap on the detected block class),
 sharding strategy from the plan (HYBRID_SHARD over a 2-D device mesh), MixedPrecision, backward
-prefetch, use_orig_params (LoRA, per-parameter optimizer groups)."""
+prefetch, use_orig_params (LoRA, per-parameter optimizer groups), a reduce-scatter on every micro-batch."""
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import (BackwardPrefetch, CPUOffload, FullyShardedDataParallel as FSDP,
@@ -53,9 +53,12 @@ def setup(plan, model, ctx) -> base.Engine:
     scaler = base.sharded_scaler(plan, ctx)
 
     @contextmanager
-    def sync(enabled: bool):
-        with (nullcontext() if enabled else wrapped.no_sync()):
-            yield
+    def sync(enabled: bool):  # every micro-batch reduces (below), whatever `enabled` says
+        # NOTE: gradients are reduce-scattered on every micro-batch (no no_sync()): under no_sync each
+        # unit keeps its whole gradient until the last micro-batch (measured: 0.82M-parameter Llama, 2
+        # ranks, accumulation 2, fp32: 3.28 MB more temporaries, the peak 6.3% above the sharded plan).
+        # The memory estimate and fit's step time (a reduce-scatter per micro-batch) both plan this way.
+        yield
 
     def clip(max_norm: float):
         return wrapped.clip_grad_norm_(max_norm)

@@ -72,10 +72,12 @@ def setup(plan, model, ctx) -> base.Engine:
     scaler = base.sharded_scaler(plan, ctx)
 
     @contextmanager
-    def sync(enabled: bool):
-        # NOTE: FSDP2 has no no_sync(); it keeps unsharded gradients while sync is off and
-        # reduce-scatters them on the backward where sync is back on.
-        model.set_requires_gradient_sync(enabled)
+    def sync(enabled: bool):  # every micro-batch reduces (below), whatever `enabled` says
+        # NOTE: gradients are reduce-scattered on every micro-batch, as torchtitan does. With
+        # set_requires_gradient_sync(False) each unit would keep its whole gradient in the reduce dtype
+        # until the last micro-batch: measured (0.82M-parameter Llama, 2 ranks, accumulation 2) 3.28 MB
+        # of fp32 gradients where the sharded ones are 1.64 MB. The memory estimate and fit's step time
+        # (a reduce-scatter per micro-batch) both plan this way.
         yield
 
     def clip(max_norm: float):

@@ -193,7 +193,7 @@ def single_buffers(model, st, impl, optimizer, largest) -> Buffers:
     return b
 
 
-def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec) -> Buffers:
+def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec, recomputes: bool = False) -> Buffers:
     bucket = tmp.zero3_ipg_bucket_bytes(s.reduce_bucket_size, lp)
     # Persistent params are never gathered: only the others are fetched module by module.
     if model.has_shape:
@@ -202,9 +202,15 @@ def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec) -
         largest_np, gatherable = largest, model.n_params
     live = min(tmp.zero3_live_param_bytes(largest_np, s.prefetch_bucket_size, s.max_live_parameters, lp),
                gatherable * lp)
+    # What forward leaves gathered for backward (the prefetcher's marks, the reuse distance), on top of the
+    # current module and its prefetch: held from the loss into backward, released as backward passes them.
+    kept = tmp.zero3_kept_params(gatherable, s.prefetch_bucket_size, s.max_live_parameters, s.max_reuse_distance,
+                                 recomputes) * lp
+    held = max(live, kept)
     mod_grad = tmp.zero3_module_grad_bytes(largest_np, lp)
-    b = Buffers(bucket, bucket + live + mod_grad)
-    b.fwd_block = b.fwd_loss = bucket + live
+    b = Buffers(bucket, bucket + held + mod_grad)
+    b.fwd_block = b.fwd_loss = bucket + held
+    b.last = bucket + live + mod_grad  # the first block's backward: what was kept above it is released
     b.opt = bucket
     if not s.offload_optimizer:
         sub = min(int(trained / world), sts.ZERO3_SUB_GROUP_SIZE)
@@ -217,6 +223,12 @@ def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec) -
              "max_live_parameters": s.max_live_parameters, "lp": lp}, "deepspeed PartitionedParameterCoordinator")
         rec("temporaries.zero3_module_grad", mod_grad, "largest*lp", {"largest": largest_np},
             "full 16-bit grad of the gathered module")
+        rec("temporaries.zero3_kept_params", kept,
+            "min(gatherable, max(max_live (prefetch on), max_reuse_distance/k))*lp",
+            {"gatherable": gatherable, "max_live_parameters": s.max_live_parameters,
+             "prefetch_bucket_size": s.prefetch_bucket_size, "max_reuse_distance": s.max_reuse_distance, "lp": lp},
+            "deepspeed PartitionedParameterCoordinator: prefetched parameters are marked for their backward use "
+            "and not released; others are kept if reused within max_reuse_distance")
     return b
 
 

@@ -4,12 +4,14 @@ first top-level forward, the optimizer at its first step) and write this rank's 
     torchrun --nproc-per-node 2 -m shardfit.measure.script_runner OUTDIR train.py ARGS...
 
 Each rank writes OUTDIR/rank{RANK}.json when the script ends, even if it raised (an OOM included),
-so the reports survive a script that destroys its process group; `shardfit profile --script`
-gathers the files. A failing script's own words travel with its report: the exit code, the phase
+so the reports survive a script that destroys its process group, and leaves with the script's exit
+code past the interpreter's teardown (the script's exit handlers still run); `shardfit profile
+--script` gathers the files. A failing script's own words travel with its report: the exit code, the phase
 and step it reached, and the tail of what it wrote to stderr (its traceback included).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -18,6 +20,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from shardfit.measure.api import profile
 from shardfit.runtime_env import leave
@@ -73,7 +76,7 @@ def _exit_from(real_exit):
     return exit_
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> NoReturn:
     argv = sys.argv[1:] if argv is None else argv
     out_dir, script, script_args = Path(argv[0]), argv[1], argv[2:]
     sys.argv = [script, *script_args]
@@ -108,10 +111,12 @@ def main(argv=None) -> int:
                         "stderr_tail": tail.tail() if code else []}
     rank = int(os.environ.get("RANK", "0"))
     (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
-    if leave_now:
-        leave(code)
-    return code
+    if not leave_now:
+        # The script's own exit handlers run as they would have; only the interpreter's teardown is
+        # skipped, where gloo can abort a rank whose script finished (SIGABRT, exit 1 for the profile).
+        atexit._run_exitfuncs()
+    leave(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
