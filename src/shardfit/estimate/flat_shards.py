@@ -33,11 +33,17 @@ def _local(start: int, n: int, chunk: int, rank: int) -> int:
     return max(0, min(start + n, (rank + 1) * chunk) - max(start, rank * chunk))
 
 
+def _root_layout(param_order: tuple, shard: int, aligned: int) -> tuple[tuple, tuple, int]:
+    """(sizes, start offsets, chunk) of the root's one flat parameter: every "root" group of the order."""
+    root = tuple(n for unit, sizes, _ in param_order if unit == "root" for n in sizes)
+    starts, chunk = _unit_layout(root, shard, aligned) if root else ((), 1)
+    return root, starts, chunk
+
+
 def local_views(param_order: tuple, shard: int, param_bytes: int, rank: int) -> list[int]:
     """Elements of each parameter's view on `rank`, in the optimizer's order (every block expanded)."""
     aligned = max(1, FSDP_ALIGNMENT_BYTES // param_bytes)
-    root = tuple(n for unit, sizes, _ in param_order if unit == "root" for n in sizes)
-    root_starts, root_chunk = _unit_layout(root, shard, aligned) if root else ((), 1)
+    _, root_starts, root_chunk = _root_layout(param_order, shard, aligned)
     out, root_index = [], 0
     for unit, sizes, repeat in param_order:
         if unit == "root":
@@ -72,16 +78,15 @@ def fsdp1_step_scratch(param_order: tuple, shard: int, param_bytes: int) -> tupl
     param_order: ModelSpec.param_order; shard: ranks sharing each flat parameter (1: whole views);
     param_bytes: bytes per element of the unsharded parameters (the gathered dtype)."""
     aligned = max(1, FSDP_ALIGNMENT_BYTES // param_bytes)
-    root = tuple(n for unit, sizes, _ in param_order if unit == "root" for n in sizes)
-    root_starts, root_chunk = _unit_layout(root, shard, aligned) if root else ((), 1)
+    root, root_starts, root_chunk = _root_layout(param_order, shard, aligned)
     # Each group of the order as the per-rank lists of its views; a block layout is built once.
     # NOTE: two copies of a repeated block stand for all of them: after the first, every copy meets the
     # same neighbour on each rank (the previous copy's last view) and gives the same pairs.
     groups, root_index, layouts = [], 0, {}
     for unit, sizes, repeat in param_order:
         if unit == "root":
-            wanted = set(range(root_index, root_index + len(sizes)))
-            groups.append(_root_part(root_starts, root, root_chunk, shard, wanted))
+            part = slice(root_index, root_index + len(sizes))
+            groups.append(_views_by_rank(root_starts[part], root[part], root_chunk, shard))
             root_index += len(sizes)
             continue
         if sizes not in layouts:
@@ -97,11 +102,3 @@ def fsdp1_step_scratch(param_order: tuple, shard: int, param_bytes: int) -> tupl
                     best, pair = 2 * n + before, (n, before)
                 before = n
     return pair
-
-
-def _root_part(starts: tuple, sizes: tuple, chunk: int, shard: int, wanted: set) -> list[list[int]]:
-    """Per rank, the non-empty views of the root's parameters numbered in `wanted` (one group of the
-    order: the root's parameters before the blocks, or after them)."""
-    picked_starts = tuple(start for i, start in enumerate(starts) if i in wanted)
-    picked_sizes = tuple(n for i, n in enumerate(sizes) if i in wanted)
-    return _views_by_rank(picked_starts, picked_sizes, chunk, shard)

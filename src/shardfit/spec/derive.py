@@ -209,11 +209,7 @@ def param_order(model, blocks) -> tuple:
     "block" (one flat parameter per block; `repeat` consecutive blocks with the same sizes)."""
     owner = {id(q): i for i, block in enumerate(blocks) for q in block.parameters()}
     groups: list = []
-    seen: set = set()
-    for q in model.parameters():
-        if id(q) in seen:
-            continue
-        seen.add(id(q))
+    for q in model.parameters():  # tied parameters once
         unit = owner.get(id(q), "root")
         if groups and groups[-1][0] == unit:
             groups[-1][1].append(int(q.numel()))
