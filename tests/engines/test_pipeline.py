@@ -11,11 +11,13 @@ stage keeping every micro-batch's logits until the next step).
 """
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from launch import test_env as launch_env
 from launch import measure_worker
+from shardfit.spec.tiny import tiny_config
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -37,11 +39,30 @@ def _plan(schedule: str, strategy: str = "ddp", ranks: int = 2, precision: str =
 
 CONFIGS = [{"label": f"pp2/{name}", "plan": _plan(name), "steps": STEPS, "repeat_batch": True}
            for name in ("1f1b", "gpipe", "interleaved")]
+# A derived spec (no hand-written rules; estimate/derived_parallel.stage_model): Qwen3 with 4 layers,
+# the model folder written by the fixtures.
+DERIVED = "qwen3-4l"
+CONFIGS += [{"label": "qwen3/pp2/1f1b", "plan": {**_plan("1f1b"), "model": DERIVED}, "steps": STEPS,
+             "repeat_batch": True}]
+
+
+def _with_derived(configs: list[dict], folder) -> tuple[list[dict], dict]:
+    """The configurations with the derived model's folder in place of its name, and the launch env
+    with a spec cache of its own."""
+    cfg = {**tiny_config("qwen3"), "num_hidden_layers": 4}
+    cfg.pop("layer_types", None)
+    (folder / DERIVED).mkdir(exist_ok=True)
+    (folder / DERIVED / "config.json").write_text(json.dumps(cfg))
+    out = [{**c, "plan": {**c["plan"], "model": str(folder / DERIVED)}} if c["plan"]["model"] == DERIVED else c
+           for c in configs]
+    return out, launch_env(SHARDFIT_CACHE_DIR=str(folder / "cache"))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return measure_worker(CONFIGS, tmp_path_factory.mktemp("pp"), nproc=2, timeout=180, env=launch_env())
+    folder = tmp_path_factory.mktemp("pp")
+    configs, env = _with_derived(CONFIGS, folder)
+    return measure_worker(configs, folder, nproc=2, timeout=180, env=env)
 
 
 def _reference_losses(plan_data: dict, steps: int) -> list[float]:
@@ -84,7 +105,7 @@ def test_pipeline_trains_like_plain_torch(results, label):
     config = next(c for c in CONFIGS if c["label"] == label)
     losses = results[label]["losses"]
     assert len(losses) == STEPS and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-    assert losses == pytest.approx(_reference_losses(config["plan"], STEPS), rel=1e-4)
+    assert losses == pytest.approx(_reference_losses(results[label]["plan"], STEPS), rel=1e-4)
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in CONFIGS])
@@ -123,13 +144,16 @@ DP_TOTALS = {"pp2xdp2/ddp/fp32", "pp2xdp2/fsdp2/fp32", "pp2xdp2/ddp/bf16", "pp2x
 # Tensor parallel inside each stage: pp = 2 x tp = 2 on 4 ranks (tp innermost), the stage unwrapped.
 TP_CONFIGS = [{"label": f"pp2xtp2/{precision}", "plan": _plan("1f1b", ranks=4, precision=precision, tp=2),
                "steps": STEPS, "repeat_batch": True} for precision in ("fp32", "bf16")]
+TP_CONFIGS += [{"label": "qwen3/pp2xtp2/fp32", "plan": {**_plan("1f1b", ranks=4, tp=2), "model": DERIVED},
+                "steps": STEPS, "repeat_batch": True}]
 
 
 @pytest.fixture(scope="module")
 def dp_results(tmp_path_factory):
     # One torchrun launch of 4 ranks for both layouts (a launch costs seconds on CPU).
-    return measure_worker(DP_CONFIGS + TP_CONFIGS, tmp_path_factory.mktemp("ppdp"), nproc=4, timeout=300,
-                          env=launch_env())
+    folder = tmp_path_factory.mktemp("ppdp")
+    configs, env = _with_derived(DP_CONFIGS + TP_CONFIGS, folder)
+    return measure_worker(configs, folder, nproc=4, timeout=300, env=env)
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in DP_CONFIGS])
@@ -183,12 +207,11 @@ def test_tensor_parallel_stages_train_like_plain_torch(dp_results, label):
     """pp = 2 x tp = 2: each stage's linears split over its two ranks by the model's TP plan (the
     embedding over the vocabulary, the head's logits gathered), the hidden states sent tp rank to tp
     rank; both TP ranks read the same batch, so it is one process accumulating 4 micro-batches."""
-    config = next(c for c in TP_CONFIGS if c["label"] == label)
     result = dp_results[label]
     losses = result["losses"]
     assert len(losses) == STEPS and losses[-1] < losses[0]
     tolerance = 1e-4 if label.endswith("fp32") else 2e-2
-    assert losses == pytest.approx(_reference_losses(config["plan"], STEPS), rel=tolerance)
+    assert losses == pytest.approx(_reference_losses(result["plan"], STEPS), rel=tolerance)
     if label.endswith("bf16"):
         assert losses != pytest.approx(dp_results["pp2xtp2/fp32"]["losses"], rel=1e-6), "bf16 ran as fp32"
 

@@ -9,11 +9,13 @@ one gap named below.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from launch import measure_worker, test_env as launch_env
+from shardfit.spec.tiny import tiny_config
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]
@@ -40,6 +42,17 @@ CONFIGS = [{"label": "fsdp2xtp/fp32/ac-none", "plan": _plan("fp32", "none"), "st
            # Colwise-sharded q/k/v biases.
            {"label": "tiny-qwen2/fsdp2xtp/fp32", "plan": _plan("fp32", "none", "tiny-qwen2"), "steps": 3,
             "repeat_batch": True}]
+# Derived specs (no hand-written rules; estimate/derived_parallel.py): the rank's sliced config, traced.
+# Qwen3's per-head q_norm / k_norm are `replicated_with_grad_allreduce` in its plan (transformers' hook);
+# StarCoder2 has LayerNorms and biased linears. Their model folders are written by the fixture.
+DERIVED = {"qwen3", "starcoder2"}
+CONFIGS += [{"label": "qwen3/fsdp2xtp/fp32", "plan": _plan("fp32", "none", "qwen3"), "steps": 3, "repeat_batch": True},
+            {"label": "starcoder2/fsdp2xtp/fp32", "plan": _plan("fp32", "none", "starcoder2"), "steps": 3,
+             "repeat_batch": True},
+            {"label": "qwen3/fsdp2xtp/bf16/ac-full", "plan": _plan("bf16", "full", "qwen3"), "steps": 3,
+             "repeat_batch": True},
+            {"label": "qwen3/fsdp2xtpxsp/fp32", "plan": _plan("fp32", "none", "qwen3", sp=True), "steps": 3,
+             "repeat_batch": True}]
 # The same split the data-parallel FSDP2 estimate misses on this model (tests/measure/matrix_gaps.py
 # "tiny-llama/fsdp2/bf16/ac-full"): at the backward peak the unsharded grads of a unit and a recomputed
 # block are not all live at the instant the estimator picks; the phase total is within 0.1%.
@@ -49,12 +62,34 @@ CONFIGS = [{"label": "fsdp2xtp/fp32/ac-none", "plan": _plan("fp32", "none"), "st
 _BATCH = "optimizer/temporaries"
 KNOWN_GAPS = {"fsdp2xtp/fp32/ac-none": {_BATCH}, "tiny-qwen2/fsdp2xtp/fp32": {_BATCH},
               "fsdp2xtpxsp/fp32/ac-none": {_BATCH},
+              "qwen3/fsdp2xtp/fp32": {_BATCH}, "qwen3/fsdp2xtp/bf16/ac-full": {_BATCH},
+              # Sequence parallel on a derived spec: the estimate divides everything outside the TP regions
+              # of the unsliced rank by tp; torch's SP keeps more of it whole (measured 948,496 B at the
+              # backward peak vs 895,536 predicted; phase total -2.2%).
+              "qwen3/fsdp2xtpxsp/fp32": {_BATCH, "backward/activations"},
               "fsdp2xtp/bf16/ac-full": {"backward/grads", "backward/activations", "backward/temporaries", _BATCH}}
+
+
+TOTAL_TOLERANCE = {"qwen3/fsdp2xtpxsp/fp32": 0.03}
+# Sequence parallel on a derived spec: the forward peak (the logits gather) is under-estimated, by up to
+# 19% here (1,898,064 B measured vs 1,596,820; other runs -8%): open in issue 14, and why fit does not
+# turn SP on for derived specs (fit/layouts.py).
+SP_FORWARD_UNDER = {"qwen3/fsdp2xtpxsp/fp32"}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return measure_worker(CONFIGS, tmp_path_factory.mktemp("tp"), nproc=4, timeout=240, env=launch_env())
+    folder = tmp_path_factory.mktemp("tp")
+    configs = []
+    for config in CONFIGS:
+        model = config["plan"]["model"]
+        if model in DERIVED:
+            (folder / model).mkdir(exist_ok=True)
+            (folder / model / "config.json").write_text(json.dumps(tiny_config(model)))
+            config = {**config, "plan": {**config["plan"], "model": str(folder / model)}}
+        configs.append(config)
+    env = launch_env(SHARDFIT_CACHE_DIR=str(folder / "cache"))
+    return measure_worker(configs, folder, nproc=4, timeout=300, env=env)
 
 
 def _reference_losses(plan_data: dict, steps: int) -> list[float]:
@@ -92,7 +127,8 @@ def test_fsdp2_x_tp_trains_like_plain_torch(results):
         got = results[config["label"]]["losses"]
         assert all(math.isfinite(x) for x in got) and got[-1] < got[0], config["label"]
         if config["plan"]["training"]["precision"] == "fp32":
-            assert got == pytest.approx(_reference_losses(config["plan"], config["steps"]), rel=1e-4), config["label"]
+            plan = results[config["label"]]["plan"]  # the derived models' folders as the run had them
+            assert got == pytest.approx(_reference_losses(plan, config["steps"]), rel=1e-4), config["label"]
 
 
 @pytest.mark.parametrize("label", [c["label"] for c in CONFIGS])
@@ -120,12 +156,23 @@ def test_measured_categories_match_the_per_rank_estimate(results, label):
                 misses.append(f"{phase}/{category}: measured {got}, predicted {want}")
             if ok and f"{phase}/{category}" in gaps:
                 misses.append(f"{phase}/{category} is listed as a gap but now within tolerance: remove it")
-        if phase == "forward":  # worst case without checkpointing; under it the buffers' timing is not modelled
-            assert sum(predicted[phase].values()) == pytest.approx(total, rel=0.10), (measured, predicted[phase])
+        if phase == "forward" and label in SP_FORWARD_UNDER:
+            continue
+        if phase == "forward":
+            # The estimate is the gather instant's worst case (estimate/model_parallel._logits_gather_instant):
+            # a run may free the gather's staging (the V/tp shard and the all-gather buffer) first.
+            plan = result["plan"]
+            spec = load_plan(plan).model
+            tokens = plan["training"]["micro_batch"] * plan["training"]["seq_len"]
+            d = 4 if plan["training"]["precision"] == "fp32" else 2
+            staging = tokens * (-(-spec.vocab_size // plan["parallelism"]["tp"]) + spec.vocab_size) * d
+            want = sum(predicted[phase].values())
+            assert want - staging - 0.02 * total <= total <= want * 1.10, (measured, predicted[phase], staging)
             continue
         # 2%: under checkpointing FSDP2's backward peak lands at different recompute instants run to run
         # (matrix_gaps.VARIES_FSDP2_AC; here 1,395,968 predicted vs 1,397,244 or 1,413,628 measured).
-        assert sum(predicted[phase].values()) == pytest.approx(total, rel=0.02), (phase, measured, predicted[phase])
+        assert sum(predicted[phase].values()) == pytest.approx(total, rel=TOTAL_TOLERANCE.get(label, 0.02)), (
+            phase, measured, predicted[phase])
     assert not misses, "; ".join(misses)
 
 
@@ -139,3 +186,10 @@ def test_sequence_parallel_shards_the_activations_between_the_tp_regions(results
     steps = len(results["fsdp2xtpxsp/fp32/ac-none"]["losses"])
     assert results["fsdp2xtpxsp/fp32/ac-none"]["losses"] == pytest.approx(
         results["fsdp2xtp/fp32/ac-none"]["losses"][:steps], rel=1e-5)
+
+
+def test_sequence_parallel_keeps_per_head_norms_on_the_heads(results):
+    """Qwen3's q_norm / k_norm run on this rank's heads inside the attention, not on sequence shards:
+    SP leaves them alone (engines/sequence_parallel.py) and trains exactly as TP alone does."""
+    assert results["qwen3/fsdp2xtpxsp/fp32"]["losses"] == pytest.approx(results["qwen3/fsdp2xtp/fp32"]["losses"],
+                                                                         rel=1e-5)

@@ -60,7 +60,11 @@ def shard_between_regions(model, tp_mesh, wanted: dict) -> None:
         if any(_matches(name, owner) for owner in owners):
             module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
         leaf = type(module).__name__
-        if leaf.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()):
+        # NOTE: a norm inside the attention or MLP (Qwen3's per-head q_norm / k_norm) runs on this
+        # rank's heads after the all-gather, not on the sequence-sharded stream between the regions.
+        inside = any(_matches(".".join(name.split(".")[:owner.count(".") + 1]), owner) and name.count(".") > owner.count(".")
+                     for owner in owners)
+        if leaf.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()) and not inside:
             norms[name] = SequenceParallel()
     if not norms:
         raise ShardfitError(f"{type(model).__name__} has no RMSNorm / LayerNorm modules to run on sequence shards: "

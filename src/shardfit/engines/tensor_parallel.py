@@ -76,18 +76,44 @@ def apply(plan, model, ctx):
     return mesh["dp"]
 
 
+# transformers' own styles that need no torch ParallelStyle: hooks on a module whose parameters stay
+# replicated. Qwen3's / Gemma-3's per-head q_norm and k_norm see only this rank's heads, so their
+# gradients are partial and all-reduced over tp; MLA's kv_a_proj output has a rotary part that
+# bypasses the colwise kv_b_proj and needs its gradient all-reduced. transformers' classes do it.
+HOOK_STYLES = ("replicated_with_grad_allreduce", "mla_kv_a_proj")
+
+
 def parallelize(module, tp_mesh, wanted: dict, name: str, styles: dict | None = None) -> None:
     """`parallelize_module` with the torch style of each transformers style name in `wanted`
     ({module path pattern: style}, paths relative to `module`); `name` is the model's, for the error;
-    styles: the style table (default: replicated activations between the TP regions)."""
+    styles: the style table (default: replicated activations between the TP regions). The hook-only
+    styles (HOOK_STYLES) are installed with transformers' own layer classes."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     styles = styles or _styles()
-    unknown = sorted({style for style in wanted.values() if style not in styles})
+    unknown = sorted({style for style in wanted.values() if style not in styles and style not in HOOK_STYLES})
     if unknown:
         raise ShardfitError(f"{name}'s TP plan uses '{unknown[0]}', which shardfit does not map yet "
-                            f"(it maps {', '.join(styles)}): set parallelism.tp to 1")
-    parallelize_module(module, tp_mesh, {path: styles[style]() for path, style in wanted.items()})
+                            f"(it maps {', '.join(styles)}, {', '.join(HOOK_STYLES)}): set parallelism.tp to 1")
+    parallelize_module(module, tp_mesh, {path: styles[style]() for path, style in wanted.items()
+                                         if style not in HOOK_STYLES})
+    hooked = {path: style for path, style in wanted.items() if style in HOOK_STYLES}
+    if hooked:
+        _install_hook_styles(module, tp_mesh, hooked)
+
+
+def _install_hook_styles(module, tp_mesh, hooked: dict) -> None:
+    import fnmatch
+
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+
+    config = getattr(module, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for path, sub in module.named_modules():
+        for pattern, style in hooked.items():
+            # NOTE: "*" stands for one path segment (a layer index), as in parallelize_module.
+            if fnmatch.fnmatchcase(path, pattern) and path.count(".") == pattern.count("."):
+                ALL_PARALLEL_STYLES[style].install_forward(sub, tp_mesh, config=config)
 
 
 def _retie(model) -> None:

@@ -82,11 +82,14 @@ def _derived_profile(model, regime, attention, lora, device, beyond_window=False
     p.block_per_sample, p.block_const = mean("per_sample"), mean("const")
     p.block_items = tuple((f"{name} x{n}", kind["per_token"], kind["per_token_s"])
                           for (name, n, _), kind in zip(model.block_kinds, c["kinds"]))
-    parts = (c["pre"], c["post"], c["first_extra"])
+    # A pipeline stage without the head (vocab_size 0: estimate/derived_parallel.stage_model) has no
+    # final norm, logits or loss; every stage builds its own masks and rotary tables (engines/pipeline.py).
+    post = c["post"] if model.vocab_size else dict.fromkeys(c["post"], 0.0)
+    parts = (c["pre"], post, c["first_extra"])
     p.head = sum(part["per_token"] for part in parts)
     # Labels "embedding.*" mark what exists before the head runs (the estimator's a_pre_head).
     p.head_items = (("embedding.and_first_block_extra", c["pre"]["per_token"] + c["first_extra"]["per_token"], 0.0),
-                    ("head.norm_logits_loss", c["post"]["per_token"], 0.0))
+                    ("head.norm_logits_loss", post["per_token"], 0.0))
     p.head_quad = sum(part["per_token_s"] for part in parts)
     p.per_position = sum(part["per_position"] for part in parts)
     p.head_per_position_quad = sum(part["per_position_s"] for part in parts)

@@ -29,7 +29,7 @@ from shardfit import sac
 from shardfit.errors import ShardfitError
 from shardfit.estimate.forward_timeline import Timeline, peak_instants
 from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
-from shardfit.spec import spec_cache
+from shardfit.spec import rank_config, spec_cache
 from shardfit.spec.derive import build_hf_model, find_blocks, quiet
 from shardfit.spec.models import derived_entry, derived_spec, load_hf_config
 
@@ -348,9 +348,12 @@ def _entry(spec) -> dict:
     return entry if entry is not None else _entry_from_source(spec)
 
 
-def _source_config(spec, why: str) -> dict:
+def source_config(spec, why: str) -> dict:
+    """The config a spec was derived from, read again from its source (a rank's sliced config: the
+    base config with the overrides its source names, spec/rank_config.py)."""
+    base, overrides = rank_config.decode_source(spec.source)
     try:
-        return load_hf_config(spec.source)
+        return rank_config.with_overrides(load_hf_config(base), overrides) if overrides else load_hf_config(base)
     except ShardfitError:
         raise ShardfitError(f"model '{spec.name}': {why}, and its config '{spec.source}' cannot be read: "
                             f"plan it from its config.json") from None
@@ -359,13 +362,13 @@ def _source_config(spec, why: str) -> dict:
 def twin(spec):
     """The derived spec of a hand-written family's config: what the tracer needs for terms the
     hand-written rules do not model (per-op selective checkpointing)."""
-    cfg = _source_config(spec, "selective checkpointing is traced from the model's config")
+    cfg = source_config(spec, "selective checkpointing is traced from the model's config")
     return derived_spec(cfg, spec.name, spec.source)
 
 
 def _entry_from_source(spec) -> dict:
     """The cache entry was cleared: derive it again from the config the spec came from."""
-    cfg = _source_config(spec, "its derived coefficients are not cached")
+    cfg = source_config(spec, "its derived coefficients are not cached")
     return derived_entry(cfg, spec.name, spec.source)
 
 

@@ -19,14 +19,17 @@ rest: Korthikanti's 10 + 24/t split), then:
 - "ideal" accounting: activations are the paper's formulas (estimate/korthikanti.py) instead.
 The reported estimate is the rank with the highest peak; `stage_estimates` gives every stage.
 - expert parallel: the experts / ep on a rank, balanced routing (estimate/expert_parallel.py).
-Not modelled yet (issue 14): derived specs (traced coefficients cannot be sliced), TP's own
-communication buffers, routing imbalance. No torch here.
+A derived spec's rank is the derived spec of the config that rank runs (estimate/derived_parallel.py:
+tp, cp and pipeline stages; expert parallel is refused for now).
+Not modelled yet (issue 14): TP's own communication buffers, routing imbalance. No torch here.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 from shardfit.errors import ShardfitError
+from shardfit.estimate import derived_parallel
 from shardfit.estimate import korthikanti as kor
 from shardfit.estimate.activations import checkpointed_blocks
 from shardfit.estimate.expert_parallel import expert_weights, with_experts_sharded
@@ -329,22 +332,27 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
 def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estimate]]:
     """[(pipeline rank, its layers, its Estimate)] for every rank of the plan's layout."""
     model = plan.model
-    if model.derived:
-        raise ShardfitError(f"{model.name} is a derived spec (traced activations): tp/cp/pp estimates need a "
-                            "hand-written family for now (llama, mistral, qwen2, gemma2, gpt2, ...)")
     layout = resolve(plan)
+    if model.derived:
+        derived_parallel.check_layout(model, layout)
     layers = stage_layers(model.num_layers, layout.pp, layout.virtual)
     explain = options.pop("explain", False)
     seen: dict = {}
     local: dict = {}
 
     def rank_estimate(count: int, first: bool, last: bool, tp: int | None, ep: int = 1, kind: str | None = None,
-                      precision: str | None = None):
+                      precision: str | None = None, stage: int = 0):
         # NOTE: stages that differ only in the micro-batches they hold in flight train the same
-        # rank-local plan: it is built and estimated once (fit estimates hundreds of layouts).
-        key = (count, first, last, tp, ep, kind, precision)
+        # rank-local plan: it is built and estimated once (fit estimates hundreds of layouts). A derived
+        # spec's stages may hold different layer kinds: keyed by stage.
+        key = (count, first, last, tp, ep, kind, precision, stage if model.derived else 0)
         if key not in local:
-            rank_model = local_model(model, layout, count, first, last, tp=tp, ep=ep)
+            if model.derived:  # the config a rank runs, derived and traced (estimate/derived_parallel.py)
+                rank_model = derived_parallel.local_model(model, layout.tp if tp is None else tp, layout.loss_parallel)
+                indices = derived_parallel.rank_layer_indices(model.num_layers, layout.pp, layout.virtual, stage)
+                rank_model = derived_parallel.stage_model(model, rank_model, indices, first, last)
+            else:
+                rank_model = local_model(model, layout, count, first, last, tp=tp, ep=ep)
             rank_plan = local_plan(plan, layout, rank_model)
             if kind is not None:
                 rank_plan = replace(rank_plan, strategy=Strategy(kind=kind))
@@ -357,8 +365,10 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
     for stage, count in enumerate(layers):
         in_flight = in_flight_microbatches(layout, stage)
         key = (count, stage == 0, stage == layout.pp - 1, in_flight)
+        if model.derived:
+            key += (stage,)
         if key not in seen:
-            seen[key] = _stage(plan, layout, rank_estimate, stage, count, options, explain)
+            seen[key] = _stage(plan, layout, partial(rank_estimate, stage=stage), stage, count, options, explain)
         out.append((stage, count, seen[key]))
     return out
 

@@ -214,6 +214,8 @@ def _traced_step(model, kind: str, training, regime: str, lora, acts: Activation
     model fake tensors cannot run)."""
     if not model.derived or training.loss != "standard" or (lora is not None and lora.base_dtype != "fp32"):
         return None
+    if not model.vocab_size:  # a pipeline stage without the head: the traced step runs the whole model
+        return None
     if lora is not None and kind not in traced_phases.ONE_DEVICE:
         return None
     layers = model.num_layers

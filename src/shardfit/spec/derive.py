@@ -225,6 +225,17 @@ def param_order(model, blocks) -> tuple:
     return tuple(order)
 
 
+def run_lengths(values: list) -> tuple:
+    """((value, run), ...) of consecutive equal values."""
+    runs: list = []
+    for value in values:
+        if runs and runs[-1][0] == value:
+            runs[-1][1] += 1
+        else:
+            runs.append([value, 1])
+    return tuple((value, run) for value, run in runs)
+
+
 def _first_int(config, names, default=0) -> int:
     for name in names:
         try:
@@ -336,6 +347,8 @@ def _derive(cfg: dict, name: str, source: str, config_hash: str) -> tuple[ModelS
         derived=True, model_class=type(model).__name__, config_hash=config_hash,
         block_kinds=tuple(per_kind), linears=block_linears(blocks), tensor_shapes=tensor_shapes(model),
         single_adam_peak=single_adam_peak(model), param_order=param_order(model, blocks),
+        tp_plan=tuple((str(path), str(style)) for path, style in (getattr(model, "_tp_plan", None) or {}).items()),
+        layer_kinds=run_lengths([kind_list.index(k) for k in kinds]),
     )
     depth = reduced_depth(kinds)
     facts = {"depth": len(blocks), "kinds": [kind_list.index(k) for k in kinds]}

@@ -59,6 +59,13 @@ class ModelSpec:
     # FSDP unit that flattens it ("root" or "block"; `repeat` equal blocks in a row), for FSDP1's flat
     # shards (estimate/flat_shards.py); derived specs only.
     param_order: tuple = ()
+    # ((module path pattern, transformers TP style), ...): the model's own tensor-parallel plan
+    # (`_tp_plan`: the config's base_model_tp_plan under the base-model prefix, the head's entry);
+    # derived specs only. What a tp rank holds and runs (estimate/derived_parallel.py).
+    tp_plan: tuple = ()
+    # ((block kind index, run), ...): the kind of every layer in order, run-length encoded (which kinds
+    # a pipeline stage holds); derived specs only.
+    layer_kinds: tuple = ()
 
     @property
     def largest_unit_params(self) -> int:
@@ -89,7 +96,7 @@ class ModelSpec:
 
     def __post_init__(self):
         # NOTE: YAML/JSON give lists; a frozen spec is a cache key, so nested sequences become tuples.
-        for name in ("block_kinds", "linears", "tensor_shapes", "param_order"):
+        for name in ("block_kinds", "linears", "tensor_shapes", "param_order", "tp_plan", "layer_kinds"):
             object.__setattr__(self, name, _tuples(getattr(self, name)))
 
     @classmethod
