@@ -155,3 +155,31 @@ def test_emitted_fsdp2_tp_script_trains_on_4_cpu_ranks_and_resumes_on_another_me
     resumed = _step_losses(again.stdout)
     assert sorted(resumed) == [2, 3]  # the printed losses have 4 decimals
     assert resumed == {step: pytest.approx(losses[step], abs=2e-4) for step in (2, 3)}, (losses, resumed)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_emitted_tp_script_runs_a_plan_with_per_head_norms(tmp_path):
+    """Qwen3's TP plan keeps its per-head q_norm / k_norm whole with their gradients all-reduced over tp
+    (`replicated_with_grad_allreduce`): the emitted script installs transformers' own class for it (the
+    engine's losses with the same hooks equal plain torch: tests/engines/test_tensor_parallel.py) and
+    trains on a dp 2 x tp 2 mesh."""
+    import json
+
+    from launch import test_env, torchrun
+    from shardfit.spec.plan import Cluster, Schedule, Training
+    from shardfit.spec.tiny import tiny_config
+
+    (tmp_path / "qwen3").mkdir()
+    (tmp_path / "qwen3" / "config.json").write_text(json.dumps(tiny_config("qwen3")))
+    plan = Plan(model=load_model_spec(str(tmp_path / "qwen3")), strategy=Strategy(kind="fsdp2"),
+                training=Training(micro_batch=2, grad_accum=1, seq_len=32, precision="fp32"),
+                cluster=Cluster(nodes=1, gpus_per_node=4, gpu="custom:1"), schedule=Schedule(steps=3, log_every=1),
+                parallelism=Parallelism(tp=2, loss_parallel=False))
+    script = emit(plan, "fsdp2").main
+    assert "replicated_with_grad_allreduce" in script
+    (tmp_path / "train.py").write_text(script)
+    result = torchrun([str(tmp_path / "train.py")], nproc=4, timeout=180, cwd=tmp_path,
+                      env=test_env(STEPS="3", CKPT_DIR=str(tmp_path / "ckpt"), EXPORT_DIR=""))
+    losses = _step_losses(result.stdout)
+    assert sorted(losses) == [0, 1, 2] and losses[2] < losses[0], result.stdout

@@ -153,7 +153,19 @@ _FSDP2 = '''
                    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
                    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}}
         plan = dict(getattr(model, "_tp_plan", None) or {{}})
-        parallelize_module(model, tp_mesh, {{path: styles[style]() for path, style in plan.items()}})
+        # Hooks on parameters kept whole (transformers' own layer classes): Qwen3's per-head q_norm /
+        # k_norm see this rank's heads only, so their gradients are all-reduced over tp; MLA's kv_a_proj
+        # output has a rotary part whose gradient is too.
+        hooks = ("replicated_with_grad_allreduce", "mla_kv_a_proj")
+        parallelize_module(model, tp_mesh, {{path: styles[style]() for path, style in plan.items() if style not in hooks}})
+        if any(style in hooks for style in plan.values()):
+            import fnmatch
+            from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+            config = model.config.get_text_config()
+            for name, module in model.named_modules():
+                for path, style in plan.items():
+                    if style in hooks and fnmatch.fnmatchcase(name, path) and name.count(".") == path.count("."):
+                        ALL_PARALLEL_STYLES[style].install_forward(module, tp_mesh, config=config)
         # parallelize_module gives the embedding and the head new parameters each: a tied head takes the
         # embedding's back (both are vocab-sharded the same way).
         inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
