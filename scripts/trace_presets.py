@@ -14,6 +14,7 @@ import sys
 import time
 
 from shardfit.estimate.derived import load_coefficients, twin
+from shardfit.estimate.selective import twin_rank
 from shardfit.spec.models import PRESETS_DIR, model_spec_for, preset_names
 
 REGIMES = ("fp32", "half", "autocast")
@@ -21,8 +22,11 @@ ATTENTION = ("sdpa", "eager")
 TARGET = PRESETS_DIR / "traced" / "selective.json"
 
 
-def kept(spec, regime: str, attention: str) -> list[float]:
-    derived = twin(spec)
+TENSOR_PARALLEL = (2, 4, 8)
+
+
+def kept(spec, regime: str, attention: str, tp: int = 1) -> list[float]:
+    derived = twin_rank(spec, tp) if tp > 1 else twin(spec)
     kinds = load_coefficients(derived, regime, attention, None)["selective_kinds"]
     counts = [count for _, count, _ in derived.block_kinds]
     layers = max(sum(counts), 1)
@@ -34,6 +38,31 @@ def block_ops(spec, regime: str, attention: str) -> float:
     ops = load_coefficients(derived, regime, attention, None)["block_ops"]
     counts = [count for _, count, _ in derived.block_kinds]
     return sum(n * k for n, k in zip(counts, ops)) / max(sum(counts), 1)
+
+
+def tp_degrees(spec) -> list[int]:
+    """The tp degrees whose rank the model's own TP plan slices into a config (others: not shipped)."""
+    kv = spec.num_kv_heads or spec.num_heads
+    out = []
+    for tp in TENSOR_PARALLEL:
+        if spec.num_heads % tp or kv % tp or (spec.intermediate_size or 0) % tp:
+            continue
+        if twin_rank(spec, tp) is not twin(spec):
+            out.append(tp)
+    return out
+
+
+def tp_table(names) -> dict:
+    """{tp: {preset: terms}} of every preset's tensor-parallel ranks."""
+    out: dict = {}
+    for name in names:
+        start = time.perf_counter()
+        spec = model_spec_for(name)
+        for tp in tp_degrees(spec):
+            out.setdefault(str(tp), {})[name] = {f"{regime}|{attention}": kept(spec, regime, attention, tp)
+                                                 for regime in REGIMES for attention in ATTENTION}
+        print(f"{name} (tp): {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return out
 
 
 def table(names) -> tuple[dict, dict]:
@@ -53,6 +82,6 @@ if __name__ == "__main__":
 
     presets, ops = table(preset_names())
     data = {"transformers": transformers.__version__, "per_block_bytes": "[per token, per token x seq]",
-            "presets": presets, "block_ops": ops}
+            "presets": presets, "block_ops": ops, "tensor_parallel": tp_table(preset_names())}
     TARGET.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {TARGET}")

@@ -188,3 +188,31 @@ def test_shipped_block_ops_equal_a_fresh_trace(name, tmp_path, monkeypatch):
             assert selective_block_ops(spec, *key.split("|")) == shipped[key], key
     finally:
         _selective_block_ops.cache_clear()
+
+
+@pytest.mark.parametrize("name, tp", [("tiny-llama", 2), ("tiny-qwen2", 2), ("llama-3.1-8b", 8)])
+def test_a_tensor_parallel_rank_keeps_its_sliced_matmuls(name, tp, tmp_path, monkeypatch):
+    """A hand-written family's tp rank (model_parallel.local_model) keeps the outputs of its sliced
+    matmuls: the shipped terms equal a fresh trace of the config that rank runs, and are not the
+    whole model's."""
+    from shardfit.estimate.model_parallel import local_model
+    from shardfit.estimate.selective import _selective_kept, _shipped_selective_tp
+    from shardfit.spec.parallelism import Layout
+
+    monkeypatch.setenv("SHARDFIT_CACHE_DIR", str(tmp_path))
+    spec = model_spec_for(name)
+    layout = Layout(world=tp, dp_replicate=1, dp_shard=1, tp=tp, cp=1, pp=1, ep=1, virtual=1, microbatches=1,
+                    schedule="1f1b", sequence_parallel=False, loss_parallel=True)
+    rank = local_model(spec, layout, spec.num_layers, True, True)
+    shipped = _shipped_selective_tp()[str(tp)][name]
+    _selective_kept.cache_clear()
+    try:
+        for key in ("fp32|sdpa", "half|sdpa"):
+            regime, attention = key.split("|")
+            assert list(selective_kept(rank, regime, attention, None)) == pytest.approx(shipped[key]), key
+            assert selective_kept(rank, regime, attention, None)[0] < selective_kept(spec, regime, attention, None)[0]
+        monkeypatch.setattr("shardfit.estimate.selective._shipped_selective_tp", lambda: {})
+        _selective_kept.cache_clear()
+        assert list(selective_kept(rank, "fp32", "sdpa", None)) == pytest.approx(shipped["fp32|sdpa"])
+    finally:
+        _selective_kept.cache_clear()

@@ -160,6 +160,7 @@ _FSDP2 = '''
         parallelize_module(model, tp_mesh, {{path: styles[style]() for path, style in plan.items() if style not in hooks}})
         if any(style in hooks for style in plan.values()):
             import fnmatch
+
             from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
             config = model.config.get_text_config()
             for name, module in model.named_modules():

@@ -1,14 +1,18 @@
 """What per-op selective activation checkpointing keeps per checkpointed block (shardfit/sac.py's
 policy): traced from the model's own code (estimate/derived.py), shipped for the presets so their
-analytic path stays torch-free (spec/presets/traced/selective.json, scripts/trace_presets.py)."""
+analytic path stays torch-free (spec/presets/traced/selective.json, scripts/trace_presets.py). A
+tensor-parallel rank keeps the outputs of its sliced matmuls: traced from the config that rank runs
+(estimate/derived_parallel.py), shipped for the presets' tp 2, 4 and 8 ranks."""
 from __future__ import annotations
 
 import json
 from functools import lru_cache
 from importlib.util import find_spec
 
+from shardfit.errors import ShardfitError
+from shardfit.estimate import derived_parallel
 from shardfit.estimate.derived import load_coefficients, twin
-from shardfit.spec.models import PRESETS_DIR
+from shardfit.spec.models import PRESETS_DIR, model_spec_for
 
 
 def selective_kept(model, regime: str, attention: str, lora, device: str = "cuda") -> tuple[float, float]:
@@ -22,15 +26,39 @@ def selective_kept(model, regime: str, attention: str, lora, device: str = "cuda
 
 @lru_cache(maxsize=256)
 def _selective_kept(model, regime, attention, lora) -> tuple[float, float]:
-    shipped = _shipped_selective().get(model.source) if not model.derived and lora is None else None
+    tp = tensor_parallel_degree(model)
+    shipped = None
+    if not model.derived and lora is None:
+        table = _shipped_selective() if tp == 1 else _shipped_selective_tp().get(str(tp), {})
+        shipped = table.get(model.source)
     if shipped is not None:
         return tuple(shipped[f"{regime}|{attention}"])
-    derived = model if model.derived else twin(model)
+    derived = model if model.derived else twin_rank(model, tp)
     kinds = load_coefficients(derived, regime, attention, lora)["selective_kinds"]
     counts = [count for _, count, _ in derived.block_kinds]
     layers = max(sum(counts), 1)
     return (sum(n * k["per_token"] for n, k in zip(counts, kinds)) / layers,
             sum(n * k["per_token_s"] for n, k in zip(counts, kinds)) / layers)
+
+
+def tensor_parallel_degree(model) -> int:
+    """The tp of a hand-written family's tensor-parallel rank (model_parallel.local_model: heads / tp,
+    the whole model's source), 1 for anything else."""
+    if model.derived or not model.name.endswith("[rank]") or not model.num_heads:
+        return 1
+    return max(1, model_spec_for(model.source).num_heads // model.num_heads)
+
+
+def twin_rank(model, tp: int):
+    """The derived spec of what a hand-written family's tp rank runs: its twin sliced by the model's
+    own TP plan (estimate/derived_parallel.py); the unsliced twin where the plan cannot be sliced."""
+    whole = twin(model)
+    if tp == 1:
+        return whole
+    try:
+        return derived_parallel.local_model(whole, tp, loss_parallel=True)
+    except ShardfitError:
+        return whole
 
 
 def selective_block_ops(model, regime: str, attention: str) -> float:
@@ -61,6 +89,15 @@ def selective_available(model) -> bool:
 def _shipped_block_ops() -> dict:
     try:
         return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text()).get("block_ops", {})
+    except (OSError, ValueError):
+        return {}
+
+
+@lru_cache(maxsize=1)
+def _shipped_selective_tp() -> dict:
+    """{tp: {preset: terms}}: the same for the presets' tensor-parallel ranks (their sliced twins)."""
+    try:
+        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text()).get("tensor_parallel", {})
     except (OSError, ValueError):
         return {}
 
