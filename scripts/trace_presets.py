@@ -65,6 +65,18 @@ def tp_table(names) -> dict:
     return out
 
 
+def sp_table(names) -> dict:
+    """{preset: {regime: [per token per layer, final norm per token]}}: what the norms between the TP
+    regions save (sequence parallel shards them; estimate/sequence_parallel.py)."""
+    from shardfit.estimate.sequence_parallel import sharded_norm_bytes
+
+    out = {}
+    for name in names:
+        spec = model_spec_for(name)
+        out[name] = {regime: list(sharded_norm_bytes(twin(spec), regime)) for regime in REGIMES}
+    return out
+
+
 def table(names) -> tuple[dict, dict]:
     out, ops = {}, {}
     for name in names:
@@ -82,6 +94,7 @@ if __name__ == "__main__":
 
     presets, ops = table(preset_names())
     data = {"transformers": transformers.__version__, "per_block_bytes": "[per token, per token x seq]",
-            "presets": presets, "block_ops": ops, "tensor_parallel": tp_table(preset_names())}
+            "presets": presets, "block_ops": ops, "tensor_parallel": tp_table(preset_names()),
+            "sequence_parallel": sp_table(preset_names())}
     TARGET.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     print(f"wrote {TARGET}")

@@ -46,8 +46,8 @@ def test_accelerate_parallelism_config_constructs_from_what_emit_writes(tmp_path
 
 
 def test_fits_own_2d_pick_goes_through_accelerate(tmp_path):
-    result = fit(FitRequest.build(load_model_spec("llama-3.1-70b"), gpu="H100-80GB", gpus_per_node=8, nodes=8,
-                                  seq_len=8192, global_batch=256))
+    result = fit(FitRequest.build(load_model_spec("llama-3.1-405b"), gpu="H100-80GB", gpus_per_node=8, nodes=128,
+                                  seq_len=8192, global_batch=2048))
     plan = result.best.plan
     if plan.parallelism.pp > 1:
         with pytest.raises(ShardfitError, match="no pipeline dimension"):
@@ -55,7 +55,7 @@ def test_fits_own_2d_pick_goes_through_accelerate(tmp_path):
         return
     assert plan.parallelism.model_parallel > 1
     _, par = _accelerate_objects(plan, tmp_path)
-    assert par.tp_size * par.cp_size * par.dp_shard_size * par.dp_replicate_size == 64
+    assert par.tp_size * par.cp_size * par.dp_shard_size * par.dp_replicate_size == 1024
 
 
 def test_pipeline_and_data_parallel_formats_refuse_in_one_line():

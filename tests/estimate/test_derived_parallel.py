@@ -127,8 +127,8 @@ def test_tensor_parallel_shrinks_a_derived_rank_and_fit_searches_it(models):
     assert two["backward"]["activations"] < one["backward"]["activations"]
     spec = load_model_spec(models["qwen3"])
     found = layouts(spec, Cluster(nodes=2, gpus_per_node=4), 128)
-    # Two KV heads: tp 2 at most; two layers: no pipeline over 2 nodes (tp 1 alone is plain dp); no SP.
-    assert [(p.tp, p.pp, p.cp, p.sequence_parallel) for p in found] == [(2, 1, 1, False)]
+    # Two KV heads: tp 2 at most; two layers: no pipeline over 2 nodes (tp 1 alone is plain dp).
+    assert [(p.tp, p.pp, p.cp, p.sequence_parallel) for p in found] == [(2, 1, 1, True)]
     assert not [p for p in layouts(load_model_spec(models["olmo2"]), Cluster(nodes=1, gpus_per_node=4), 128) if p.tp > 1]
 
 

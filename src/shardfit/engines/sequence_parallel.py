@@ -11,6 +11,7 @@ MLP) all-gathers its sequence-sharded input once on entry, which is the tensor i
 from __future__ import annotations
 
 from shardfit.errors import ShardfitError
+from shardfit.spec.derive import between_region_norms
 
 
 def sp_styles() -> dict:
@@ -54,18 +55,11 @@ def shard_between_regions(model, tp_mesh, wanted: dict) -> None:
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
     owners = {path.rsplit(".", 1)[0] for path, style in wanted.items() if style == "colwise" and "." in path}
-    names = dict(model.named_modules())
-    norms = {}
-    for name, module in names.items():
+    for name, module in model.named_modules():
         if any(_matches(name, owner) for owner in owners):
             module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
-        leaf = type(module).__name__
-        # NOTE: a norm inside the attention or MLP (Qwen3's per-head q_norm / k_norm) runs on this
-        # rank's heads after the all-gather, not on the sequence-sharded stream between the regions.
-        inside = any(_matches(".".join(name.split(".")[:owner.count(".") + 1]), owner) and name.count(".") > owner.count(".")
-                     for owner in owners)
-        if leaf.endswith(("RMSNorm", "LayerNorm")) and not list(module.children()) and not inside:
-            norms[name] = SequenceParallel()
+    # The same norms the estimator's trace counts as sharded (spec/derive.py).
+    norms = {name: SequenceParallel() for name in between_region_norms(model, wanted)}
     if not norms:
         raise ShardfitError(f"{type(model).__name__} has no RMSNorm / LayerNorm modules to run on sequence shards: "
                             "set parallelism.sequence_parallel false")

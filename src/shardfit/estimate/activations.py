@@ -83,8 +83,10 @@ def _derived_profile(model, regime, attention, lora, device, beyond_window=False
     p.block_items = tuple((f"{name} x{n}", kind["per_token"], kind["per_token_s"])
                           for (name, n, _), kind in zip(model.block_kinds, c["kinds"]))
     # A pipeline stage without the head (vocab_size 0: estimate/derived_parallel.stage_model) has no
-    # final norm, logits or loss; every stage builds its own masks and rotary tables (engines/pipeline.py).
-    post = c["post"] if model.vocab_size else dict.fromkeys(c["post"], 0.0)
+    # final norm, logits or loss, but the schedule keeps its output (the residual stream it sends) for
+    # the backward; every stage builds its own masks and rotary tables (engines/pipeline.py).
+    post = c["post"] if model.vocab_size else {**dict.fromkeys(c["post"], 0.0),
+                                               "per_token": (2 if regime == "half" else 4) * model.hidden_size}
     parts = (c["pre"], post, c["first_extra"])
     p.head = sum(part["per_token"] for part in parts)
     # Labels "embedding.*" mark what exists before the head runs (the estimator's a_pre_head).
@@ -318,7 +320,12 @@ def _profile(model, regime, attention, lora, device) -> Profile:
     head_items: list[tuple[str, float, float]] = []
     block_items = tuple(items)
     items = head_items
-    if family != "bert":
+    # NOTE: vocab 0 is a pipeline stage without the head (model_parallel.local_model): no final norm,
+    # logits or loss there; the schedule keeps the stage's output (the residual stream it sends) for
+    # that micro-batch's backward (torch.distributed.pipelining's fwd_cache).
+    if not vocab:
+        add("stage.output_kept", res * h)
+    elif family != "bert":
         out_dtype = norm("final_norm")
         consumed("final_norm.out", h, out_dtype, ["lm_head"])
     else:
@@ -333,7 +340,7 @@ def _profile(model, regime, attention, lora, device) -> Profile:
         add("logits.softcap_tanh", d * vocab)
     if family == "bert":  # BertForMaskedLM: CrossEntropyLoss on the logits as they are, labels unshifted
         add("loss.log_softmax", (4 if regime == "autocast" else d) * vocab)
-    else:
+    elif vocab:
         add("loss.log_softmax_fp32", 4 * vocab)
         add("loss.shifted_labels", 8)
     head = sum(i[1] for i in head_items)

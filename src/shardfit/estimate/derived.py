@@ -30,7 +30,7 @@ from shardfit.errors import ShardfitError
 from shardfit.estimate.forward_timeline import Timeline, peak_instants
 from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
 from shardfit.spec import rank_config, spec_cache
-from shardfit.spec.derive import build_hf_model, find_blocks, quiet
+from shardfit.spec.derive import between_region_norms, build_hf_model, find_blocks, quiet
 from shardfit.spec.models import derived_entry, derived_spec, load_hf_config
 
 TERMS = ("per_token", "per_token_s", "per_position", "per_position_s", "per_sample", "const")
@@ -177,10 +177,18 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
 
     model, blocks, points, vocab = reduced_model(cfg, facts, regime, attention, lora, beyond_window)
     kinds = facts["kinds"]
-    state = {"part": "pre"}
+    state = {"part": "pre", "norm": False}
     for index, block in enumerate(blocks):
         block.register_forward_pre_hook(lambda _m, _a, i=index: state.__setitem__("part", i))
         block.register_forward_hook(lambda _m, _a, _o: state.__setitem__("part", "post"))
+    # What the norms between the TP regions save (sequence parallel runs them on sequence shards).
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    plan = dict(getattr(base, "_tp_plan", None) or {})
+    norms = set(between_region_norms(base, plan)) if plan else set()
+    for name, module in base.named_modules():
+        if name in norms:
+            module.register_forward_pre_hook(lambda _m, _a: state.__setitem__("norm", True))
+            module.register_forward_hook(lambda _m, _a, _o: state.__setitem__("norm", False))
     autocast = regime == "autocast"
 
     class Recorder(TorchDispatchMode):
@@ -213,6 +221,7 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             return out
 
     measured: dict = {}
+    normed: dict = {}  # (b, s) -> {part: bytes the between-region norms saved}
     kept: dict = {}
     copies: dict = {}
     instants: dict = {}  # (b, s) -> {block index: [(saved, temporaries) per op]}
@@ -223,12 +232,15 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
         for b, s in points:
             saved: dict = {}
             keep = []
+            in_norms = normed.setdefault((b, s), {})
 
-            def pack(tensor, saved=saved, keep=keep):
+            def pack(tensor, saved=saved, keep=keep, in_norms=in_norms):
                 key = storage_key(tensor)
                 if key not in params and key not in saved:
                     saved[key] = (state["part"], tensor.untyped_storage().nbytes())
                     keep.append(tensor)
+                    if state["norm"]:
+                        in_norms[state["part"]] = in_norms.get(state["part"], 0) + tensor.untyped_storage().nbytes()
                 return tensor
 
             input_ids = torch.randint(0, vocab, (b, s))
@@ -256,11 +268,11 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             copies = weight
             keep.clear()
     return _coefficients(measured, kept, copies, kinds, points,
-                         getattr(model.config, "_experts_implementation", None) or "", instants, ops)
+                         getattr(model.config, "_experts_implementation", None) or "", instants, ops, normed)
 
 
 def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str,
-                  instants: dict, ops: dict) -> dict:
+                  instants: dict, ops: dict, normed: dict) -> dict:
     fit_points, check = points[:-1], points[-1]
 
     def solve(part, table=measured):
@@ -292,6 +304,10 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
             # The aten ops each kind's block dispatches in forward: what per-op selective checkpointing's
             # policy runs for, in forward and again in the recompute (fit/engine_overhead.py).
             "block_ops": [int(ops.get(last[k], 0)) for k in range(n_kinds)],
+            # What each kind's norms between the TP regions save, and the final norm's ("post"):
+            # sequence parallel runs them on sequence shards (estimate/model_parallel.py).
+            "sp_norm_kinds": [as_float(solve(last[k], normed)) for k in range(n_kinds)],
+            "sp_norm_post": as_float(solve("post", normed)),
             # The peak instants inside each kind's block, split as the tracker files them.
             "forward_inside": [[{name: as_float(c) for name, c in instant.items()} for instant in
                                 peak_instants({p: instants[p][last[k]] for p in points}, fit_points, check,

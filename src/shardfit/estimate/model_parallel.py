@@ -8,8 +8,9 @@ hold the same slice (FSDP2 over torchtitan's dp_shard_cp mesh; Megatron's distri
 over dp x cp). So each stage is estimated as that rank-local plan by the data-parallel estimator
 (the engine-calibrated activation profile keeps the replicated tensors at full width and slices the
 rest: Korthikanti's 10 + 24/t split), then:
-- sequence parallel: the replicated part is split over tp too, so the layer's activations are the
-  unsliced layer's / tp (Korthikanti et al. 2022 Table 2: 34/t + 5as/(ht));
+- sequence parallel: what the norms between the TP regions save and a checkpointed block's input are
+  split over tp too (estimate/sequence_parallel.py; Korthikanti et al. 2022 Table 2's 34/t + 5as/(ht)
+  under "ideal" accounting);
 - pipeline: the rank holds `in_flight_microbatches` micro-batches of activations (1F1B: p - i on
   rank i; interleaved: p(1 + (p-1)/(pv)) on the first; GPipe: all m, with no gradients yet), a
   receive buffer per micro-batch and chunk (torch.distributed.pipelining keeps them across steps)
@@ -34,6 +35,7 @@ from shardfit.estimate import korthikanti as kor
 from shardfit.estimate.activations import checkpointed_blocks
 from shardfit.estimate.expert_parallel import expert_weights, with_experts_sharded
 from shardfit.estimate.result import Estimate, Term
+from shardfit.estimate.sequence_parallel import sharded_norm_bytes
 from shardfit.estimate.states import block_linears
 from shardfit.spec.model_spec import ModelSpec
 from shardfit.spec.parallelism import Layout, Parallelism, in_flight_microbatches, resolve, stage_layers
@@ -147,13 +149,14 @@ def _paper_activations(plan, layout: Layout, layers: int, first: bool, last: boo
 
 
 def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, tokens: int, d: int, tp: int,
-                           kept: int = 0) -> dict:
+                           kept: int = 0, sharded: int = 0) -> dict:
     """transformers' `colwise_gather_output` head: the forward peaks while the logits are gathered --
     the local V/tp shard, DTensor's all-gather buffer and the full logits are live, the loss has not
     saved its fp32 log_softmax or labels yet. The larger of that instant and the loss's. `kept`: the
     pipeline's kept logits of this micro-batch, counted in `forward`'s activations, which at the
-    gather are the full logits being built (the temporaries here), not a second copy."""
-    at_loss = est.term("activations.blocks").bytes + est.term("activations.head").bytes
+    gather are the full logits being built (the temporaries here), not a second copy. `sharded`: what
+    sequence parallel took off this micro-batch's activations."""
+    at_loss = est.term("activations.blocks").bytes + est.term("activations.head").bytes - sharded
     if forward["activations"] < at_loss - tokens * rank_model.hidden_size * 4:
         return forward  # the peak is inside a block (checkpointing), not at the loss
     vocab = rank_model.vocab_size
@@ -191,27 +194,27 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
         est = with_experts_sharded(plan, layout, est, sharded, t.micro_batch * (t.seq_len // layout.cp),
                                     4 if t.precision == "fp32" else 2)
     one = _act_terms(est)
-    scale = 1.0
-    if layout.sequence_parallel:
-        _, unsliced = rank_estimate(layers, first, last, 1)
-        scale = _act_terms(unsliced) / layout.tp / max(one, 1)
     in_flight = in_flight_microbatches(layout, stage)
     paper = options["accounting"] == "ideal"
-    per_micro = _paper_activations(plan, layout, layers, first, last) if paper else one * scale
     d = 4 if t.precision == "fp32" else 2
     b, s = t.micro_batch, t.seq_len // layout.cp
     # The residual stream's dtype: fp32 under autocast (the adds promote), the parameters' under
     # FSDP's mixed precision. What crosses a stage boundary (the p2p buffers) is that stream.
     res = 4 if (t.precision == "fp32" or (plan.strategy.kind in ("ddp", "single") and t.precision != "bf16-pure")) else 2
+    # torch's sequence parallel (engines/sequence_parallel.py): what the norms between the TP regions
+    # save, and a checkpointed block's input (the residual stream), are sequence shards; the rest of
+    # the TP rank's activations stay (the colwise inputs are the all-gathered sequence, as big as the
+    # norm outputs they replace; SAC's kept rowwise outputs are the partial sums before the
+    # reduce-scatter). estimate/sequence_parallel.py. Per micro-batch, bytes.
+    sp_saved = 0
+    if layout.sequence_parallel and not paper:
+        per_layer, final_norm = sharded_norm_bytes(rank_model, est.term("activations.block").inputs["regime"])
+        selective = is_selective_ac(t.activation_checkpointing)
+        kept = layers if selective else checkpointed_blocks(layers, parse_activation_checkpointing(t.activation_checkpointing))
+        per_token = (layers - kept) * per_layer + kept * res * model.hidden_size + (final_norm if last else 0)
+        sp_saved = int(b * s * per_token * (1 - 1 / layout.tp))
+    per_micro = _paper_activations(plan, layout, layers, first, last) if paper else one - sp_saved
     p2p = pipeline_buffers(plan, layout, first, last, res)
-    # torch's sequence parallel (engines/sequence_parallel.py, torchtitan's PrepareModuleInput) keeps,
-    # beside the sequence-sharded norm output, the all-gathered input of the attention and of the MLP
-    # that their colwise linears save: 2 x b*s*h per layer at full width, where Megatron's SP re-gathers
-    # it in backward (the paper's 34/t). Measured (FSDP2 x TP x SP, 4 CPU ranks, fp32, tiny-llama):
-    # 2 x 32,768 B per layer. Layers whose forward is recomputed save neither.
-    sp_gathered = 0
-    if layout.sequence_parallel and not paper and t.activation_checkpointing == "none":
-        sp_gathered = 2 * b * s * model.hidden_size * res * layers
     # The last stage's output (the logits) of each micro-batch in flight, which the stage keeps in its
     # forward cache to run that micro-batch's backward from the loss; the rank-local data-parallel
     # profile frees the logits at the loss. Measured: +2% over on tiny-llama under 1F1B and GPipe.
@@ -287,15 +290,14 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
             if paper:
                 cats["activations"] = int(per_micro * in_flight)
             else:
-                cats["activations"] = int(cats["activations"] * scale + per_micro * (in_flight - 1))
-            cats["activations"] += int(sp_gathered * in_flight)
+                cats["activations"] = int(max(0, cats["activations"] - sp_saved) + per_micro * (in_flight - 1))
             moved = min(embedding_out, cats["activations"])
             cats["activations"] -= moved
             cats["temporaries"] += ring + moved
         phases[name] = cats
     if last and layout.tp > 1 and not layout.loss_parallel and not paper:
         phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp,
-                                                   int(kept_logits // max(in_flight, 1)))
+                                                   int(kept_logits // max(in_flight, 1)), sp_saved)
     notes = (f"layout {layout.describe()}: pipeline rank {stage} of {layout.pp} holds {layers} layers"
              f"{' + embedding' if first else ''}{' + head' if last else ''}, {in_flight:g} micro-batch(es) of "
              f"activations in flight ({layout.schedule if layout.pp > 1 else 'no pipeline'})",
@@ -306,17 +308,19 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     extra = ()
     if explain:
         extra = (Term(name="parallel.activations_per_microbatch", bytes=int(per_micro),
-                      formula="Korthikanti Table 2 (ideal) | rank-local profile x SP scale",
-                      inputs={"scale_sp": scale, "in_flight": in_flight, "layers": layers},
+                      formula="Korthikanti Table 2 (ideal) | rank-local profile - SP-sharded norms",
+                      inputs={"sp_sharded": sp_saved, "in_flight": in_flight, "layers": layers},
                       source="Korthikanti et al. 2022 sec. 4; Narayanan et al. 2021 (1F1B)"),
                  Term(name="parallel.p2p_buffers", bytes=p2p, formula="m*(2v - first - last)*b*(s/cp)*h*d (/t under SP)",
                       inputs={"microbatches": layout.microbatches, "virtual": layout.virtual},
                       source="torch.distributed.pipelining stage.py: a receive buffer per micro-batch and chunk"),
                  Term(name="parallel.pp_kept_logits", bytes=kept_logits, formula="last stage: in_flight*b*(s/cp)*V*d",
                       inputs={"in_flight": in_flight}, source="torch.distributed.pipelining stage.py fwd_cache"),
-                 Term(name="parallel.sp_gathered_inputs", bytes=sp_gathered,
-                      formula="torch SP, no recompute: 2*b*(s/cp)*h*d per layer",
-                      inputs={"layers": layers}, source="torch PrepareModuleInput: the gathered input the colwise linears save"),
+                 Term(name="parallel.sp_sharded", bytes=sp_saved,
+                      formula="(1 - 1/tp)*b*(s/cp)*(norms' saved bytes per layer not recomputed + h*d per checkpointed "
+                              "block + the final norm's)",
+                      inputs={"layers": layers, "tp": layout.tp},
+                      source="torch SequenceParallel on the norms between the TP regions (estimate/sequence_parallel.py)"),
                  Term(name="parallel.tp_embedding_grad", bytes=embedding_grad,
                       formula="first stage, tp > 1, no FSDP: (V - V/tp)*h*grad dtype",
                       inputs={"tp": layout.tp}, source="torch DTensor embedding backward: a Replicate V x h gradient"),

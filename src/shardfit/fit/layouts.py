@@ -13,7 +13,7 @@ the step-time model (fit/parallel_time.py) ranks them with the data-parallel pla
 Expert parallelism for MoE models: ep degrees inside a node (with tp), borrowed from dp_shard x cp.
 
 Derived ("any model") specs: tp (where the model's own TP plan slices into a config one rank runs),
-pp and cp, without sequence parallel; their expert parallel is not estimated yet.
+pp and cp; their expert parallel is not estimated yet.
 Not searched (yet): DDP / ZeRO-1 x TP, the interleaved and zero-bubble schedules, LoRA under
 tp / cp / pp / ep.
 """
@@ -74,9 +74,7 @@ def layouts(model, cluster, seq_len: int) -> list[Parallelism]:
                     continue
                 if tp == 1 and pp > 1:
                     continue  # PP before TP is not the field's order (and DeepSpeed's pipeline is not searched)
-                # NOTE: not for a derived spec: its SP forward peak is under-estimated (measured up to 19% on
-                # Qwen3, tests/engines/test_tensor_parallel.py), its TP alone is within 1%.
-                sp = tp > 1 and (seq_len // cp) % tp == 0 and not model.derived
+                sp = tp > 1 and (seq_len // cp) % tp == 0
                 for ep in _ep_degrees(model, world // (tp * pp), tp, cluster.gpus_per_node):
                     if tp * pp * cp * ep == 1:
                         continue  # plain data parallelism: the 1-D families

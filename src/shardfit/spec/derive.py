@@ -225,6 +225,22 @@ def param_order(model, blocks) -> tuple:
     return tuple(order)
 
 
+def between_region_norms(model, plan: dict) -> list[str]:
+    """The norms sequence parallel runs on sequence shards: leaf RMSNorm / LayerNorm modules outside
+    every module that owns a colwise linear of the TP plan `plan` ({path pattern: style}; paths
+    relative to `model`). A norm inside the attention (Qwen3's per-head q_norm) sees this rank's heads,
+    not the stream between the regions."""
+    owners = [path.rsplit(".", 1)[0].split(".") for path, style in plan.items() if style == "colwise" and "." in path]
+
+    def inside(name: str) -> bool:
+        parts = name.split(".")
+        return any(len(parts) > len(owner) and all(w in ("*", p) for p, w in zip(parts, owner)) for owner in owners)
+
+    return [name for name, module in model.named_modules()
+            if name and type(module).__name__.endswith(("RMSNorm", "LayerNorm")) and not list(module.children())
+            and not inside(name)]
+
+
 def run_lengths(values: list) -> tuple:
     """((value, run), ...) of consecutive equal values."""
     runs: list = []
