@@ -82,6 +82,8 @@ BAD = [
     (dict(pp=8, pp_schedule="zigzag"), "pp_schedule 'zigzag' is not known"),
     (dict(pp=8, pp_schedule="interleaved", pp_virtual_stages=2, pp_microbatches=12), "multiple of pp = 8"),
     (dict(pp=64, pp_virtual_stages=2, pp_schedule="interleaved", pp_microbatches=64), "128 chunks but"),
+    (dict(pp=8, pp_microbatches=4), "Schedule1F1B refuses fewer"),
+    (dict(pp=8, pp_schedule="gpipe", pp_microbatches=4), None),  # valid (a warning): GPipe runs any count
     (dict(ep=2), "dense model"),
     (dict(tp=0), "parallelism.tp must be at least 1"),
 ]
@@ -121,7 +123,8 @@ def test_strategies_that_do_not_compose_are_refused():
 
 
 def test_few_microbatches_and_uneven_layers_warn():
-    warnings = validate_plan(plan(tp=8, pp=8))
+    # GPipe runs fewer micro-batches than stages (a bubble over half the step); 1F1B refuses them (BAD).
+    warnings = validate_plan(plan(tp=8, pp=8, pp_schedule="gpipe"))
     assert any("bubble" in w for w in warnings) and any("middle stages" in w for w in warnings)
 
 

@@ -137,12 +137,12 @@ def stage_model(model: ModelSpec, rank: ModelSpec, layers: list[int], first: boo
     # Tensor shapes (the largest tensor, Adafactor's factors): the embedding and untied head where held,
     # the rest (blocks, norms) in proportion to the layers held.
     shapes = dict(rank.tensor_shapes)
-    vocab = [numel for numel in (before[:1] + ([] if rank.tie_embeddings else after[-1:]))]
     taken = []
-    for numel in vocab:
-        shape = next(s for s, n in shapes.items() if n > 0 and math.prod(s) == numel)
-        shapes[shape] -= 1
-        taken.append(shape)
+    for numel in before[:1] + ([] if rank.tie_embeddings else after[-1:]):  # the embedding, the untied head
+        shape = next((s for s, n in shapes.items() if n > 0 and math.prod(s) == numel), None)
+        if shape is not None:
+            shapes[shape] -= 1
+            taken.append(shape)
     shapes = {s: -(-n * len(layers) // rank.num_layers) for s, n in shapes.items() if n > 0}
     for shape in (taken[:1] if first else []) + ((taken[-1:]) if last else []):
         shapes[shape] = shapes.get(shape, 0) + 1

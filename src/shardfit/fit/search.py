@@ -294,7 +294,9 @@ def fit(request: FitRequest, estimate_fn=None) -> FitResult:
         if fam.parallelism is None:
             return micro_options
         pinned_micro = pin_micro_batch(request, divisors(rank_batch(fam)), rank_batch(fam))
-        return micro_options_for(fam.parallelism, pinned_micro, base.training.seq_len, EFFICIENCY_FULL_TOKENS)
+        # 1F1B runs at least pp micro-batches (torch's Schedule1F1B refuses fewer: validate_parallelism).
+        enough = [m for m in pinned_micro if rank_batch(fam) // m >= fam.parallelism.pp] or pinned_micro[:1]
+        return micro_options_for(fam.parallelism, enough, base.training.seq_len, EFFICIENCY_FULL_TOKENS)
 
     def make_for(fam: Family, ac: str, buckets: str):
         return lambda micro: _make_plan(base, fam, ac, buckets, micro, rank_batch(fam), request.base.training.seq_len,

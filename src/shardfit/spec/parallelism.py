@@ -222,6 +222,10 @@ def validate_parallelism(plan) -> list[str]:
     if par.pp > 1 and par.pp_schedule == "interleaved" and micro % par.pp:
         bad(f"the interleaved schedule runs micro-batches in groups of pp: {micro} micro-batches must be a "
             f"multiple of pp = {par.pp} (set pp_microbatches or grad_accum)")
+    if par.pp > 1 and par.pp_schedule == "1f1b" and micro < par.pp:
+        bad(f"the 1F1B schedule runs at least as many micro-batches as stages (torch.distributed.pipelining's "
+            f"Schedule1F1B refuses fewer): {micro} micro-batches on pp = {par.pp}; set grad_accum (--grad-accum) or "
+            f"pp_microbatches to at least {par.pp}, ideally several times more")
     if par.pp > 1 and micro < par.pp:
         warnings.append(f"{micro} micro-batches on {par.pp} pipeline stages: the bubble is over half the step; "
                         f"use at least {par.pp} (pp_microbatches or grad_accum), ideally several times more")
