@@ -9,6 +9,7 @@ configurations with every term within 5% (or 1% of its phase total when small) a
 
 Run: .venv/bin/python benchmarks/bench_any_model.py [--archs qwen3,phi3] [--strategies ddp,fsdp2]
      [--precisions fp32,bf16] [--ac none,full] [--json out.json]   (the full grid: ~10-20 min here)
+     --strategies fsdp2 --tp 2 [--sp]: FSDP2 x TP on 4 ranks (a rank's sliced config, estimate/derived_parallel.py)
 """
 from __future__ import annotations
 
@@ -35,18 +36,22 @@ DEEPSPEED = ("zero1", "zero2", "zero3")
 SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000, "prefetch_bucket_size": 100_000}
 
 
-def plan_dict(model_dir: str, strategy: str, precision: str, ac: str) -> dict:
+def plan_dict(model_dir: str, strategy: str, precision: str, ac: str, tp: int = 1, sp: bool = False) -> dict:
     kind, _, option = strategy.partition(":")
     fields = {"kind": kind}
     if option:
         fields["sharding"] = option
     if is_deepspeed_kind(kind):
         fields.update(SMALL_BUCKETS)
-    return {"model": model_dir, "strategy": fields, "cluster": {"nodes": 1, "gpus_per_node": 1 if kind == "single" else 2},
-            "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
+    out = {"model": model_dir, "strategy": fields,
+           "cluster": {"nodes": 1, "gpus_per_node": 1 if kind == "single" else 2 * tp},
+           "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
+    if tp > 1:  # dp 2 x tp: the model's own TP plan, gathered logits (what the engine runs)
+        out["parallelism"] = {"tp": tp, "loss_parallel": False, "sequence_parallel": sp}
+    return out
 
 
-def grid(folder: Path, archs, strategies, precisions, acs) -> list[dict]:
+def grid(folder: Path, archs, strategies, precisions, acs, tp: int = 1, sp: bool = False) -> list[dict]:
     configs = []
     for arch in archs:
         model = folder / "models" / arch
@@ -55,8 +60,9 @@ def grid(folder: Path, archs, strategies, precisions, acs) -> list[dict]:
         for strategy in strategies:
             for precision in precisions:
                 for ac in acs:
-                    configs.append({"label": f"{arch}/{strategy}/{precision}/ac-{ac}", "steps": 2,
-                                    "plan": plan_dict(str(model), strategy, precision, ac)})
+                    layout = f"/tp{tp}{'+sp' if sp else ''}" if tp > 1 else ""
+                    configs.append({"label": f"{arch}/{strategy}{layout}/{precision}/ac-{ac}", "steps": 2,
+                                    "plan": plan_dict(str(model), strategy, precision, ac, tp, sp)})
     return configs
 
 
@@ -105,26 +111,32 @@ def main() -> int:
     parser.add_argument("--strategies", default=",".join(TORCH + DEEPSPEED))
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--ac", default="none,full")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel over tp of 2 x tp ranks (fsdp2 only; "
+                        "architectures whose TP plan a sliced config cannot reproduce report their one-line refusal)")
+    parser.add_argument("--sp", action="store_true", help="sequence parallel in the TP regions (with --tp)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
     split = lambda text: [x for x in text.split(",") if x]  # noqa: E731
     strategies = split(args.strategies)
+    if args.tp > 1 and any(s != "fsdp2" for s in strategies):
+        parser.error("--tp runs under fsdp2 only (the engine's FSDP2 x TP): pass --strategies fsdp2")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         os.environ.setdefault("SHARDFIT_CACHE_DIR", str(folder / "cache"))
-        configs = grid(folder, split(args.archs), strategies, split(args.precisions), split(args.ac))
+        configs = grid(folder, split(args.archs), strategies, split(args.precisions), split(args.ac), args.tp, args.sp)
         kind = lambda config: config["plan"]["strategy"]["kind"]  # noqa: E731
         single = [c for c in configs if kind(c) == "single"]
         torch_configs = [c for c in configs if not is_deepspeed_kind(kind(c)) and kind(c) != "single"]
         ds_configs = [c for c in configs if is_deepspeed_kind(kind(c))]
         # One device, no wrapper: a one-rank job, as `shardfit train` launches it.
         results = (measure(single, folder, "single", args.timeout, nproc=1)
-                   + measure(torch_configs, folder, "torch", args.timeout)
+                   + measure(torch_configs, folder, "torch", args.timeout, nproc=2 * args.tp)
                    + measure(ds_configs, folder, "deepspeed", args.timeout))
     lines, summary = summarize(results)
     print(f"host: {platform.node()}, Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
-          f"2 CPU ranks (single: 1), micro-batch 2 x seq 64")
+          f"{2 * args.tp} CPU ranks (single: 1){f', dp 2 x tp {args.tp}' if args.tp > 1 else ''}"
+          f"{' + sp' if args.sp else ''}, micro-batch 2 x seq 64")
     print("\n".join(lines))
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
