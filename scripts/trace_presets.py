@@ -66,8 +66,8 @@ def tp_table(names) -> dict:
 
 
 def sp_table(names) -> dict:
-    """{preset: {regime: [per token per layer, final norm per token]}}: what the norms between the TP
-    regions save (sequence parallel shards them; estimate/sequence_parallel.py)."""
+    """{preset: {regime: [per token per layer, final norm per token, extra gathers per layer]}}: what the
+    norms between the TP regions save (sequence parallel shards them; estimate/sequence_parallel.py)."""
     from shardfit.estimate.sequence_parallel import sharded_norm_bytes
 
     out = {}

@@ -33,10 +33,28 @@ def test_the_norms_save_what_their_code_saves():
 
     llama, gemma = model_spec_for("tiny-llama"), model_spec_for("tiny-gemma2")
     h = llama.hidden_size
-    assert sharded_norm_bytes(llama, "fp32") == (2 * (4 * h + 4 * h + 4), 4 * h + 4 * h + 4)
+    assert sharded_norm_bytes(llama, "fp32") == (2 * (4 * h + 4 * h + 4), 4 * h + 4 * h + 4, 0)
     # 16-bit stream: the fp32 upcast for the variance, the bf16 normalised states.
-    assert sharded_norm_bytes(llama, "half") == (2 * (4 * h + 2 * h + 4), 4 * h + 2 * h + 4)
+    assert sharded_norm_bytes(llama, "half") == (2 * (4 * h + 2 * h + 4), 4 * h + 2 * h + 4, 0)
     assert sharded_norm_bytes(gemma, "fp32")[0] == 2 * sharded_norm_bytes(llama, "fp32")[0]
+
+
+def test_owners_reading_one_normed_input_gather_it_twice(tmp_path):
+    """Cohere's parallel block: the attention and the MLP read the one normed input; under SP each
+    all-gathers its own copy (one extra per layer); Qwen3's read different norms' outputs."""
+    import json
+
+    from shardfit.estimate.sequence_parallel import sharded_norm_bytes
+    from shardfit.spec.models import load_model_spec
+    from shardfit.spec.tiny import tiny_config
+
+    extras = {}
+    for arch in ("cohere", "qwen3"):
+        folder = tmp_path / arch
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(tiny_config(arch)))
+        extras[arch] = sharded_norm_bytes(load_model_spec(str(folder)), "fp32")[2]
+    assert extras == {"cohere": 1.0, "qwen3": 0.0}
 
 
 def test_a_norm_inside_the_attention_is_not_between_the_regions():

@@ -11,7 +11,7 @@ MLP) all-gathers its sequence-sharded input once on entry, which is the tensor i
 from __future__ import annotations
 
 from shardfit.errors import ShardfitError
-from shardfit.spec.derive import between_region_norms
+from shardfit.spec.derive import between_region_norms, colwise_owners
 
 
 def sp_styles() -> dict:
@@ -54,18 +54,12 @@ def shard_between_regions(model, tp_mesh, wanted: dict) -> None:
     and the all-gather on entry to each module that owns colwise linears. `wanted`: the model's TP plan."""
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    owners = {path.rsplit(".", 1)[0] for path, style in wanted.items() if style == "colwise" and "." in path}
-    for name, module in model.named_modules():
-        if any(_matches(name, owner) for owner in owners):
-            module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+    modules = dict(model.named_modules())
+    for name in colwise_owners(model, wanted):
+        modules[name].register_forward_pre_hook(_gather_sequence, with_kwargs=True)
     # The same norms the estimator's trace counts as sharded (spec/derive.py).
     norms = {name: SequenceParallel() for name in between_region_norms(model, wanted)}
     if not norms:
         raise ShardfitError(f"{type(model).__name__} has no RMSNorm / LayerNorm modules to run on sequence shards: "
                             "set parallelism.sequence_parallel false")
     parallelize_module(model, tp_mesh, norms)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    parts, want = name.split("."), pattern.split(".")
-    return len(parts) == len(want) and all(w == "*" or w == p for p, w in zip(parts, want))

@@ -30,7 +30,7 @@ from shardfit.errors import ShardfitError
 from shardfit.estimate.forward_timeline import Timeline, peak_instants
 from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
 from shardfit.spec import rank_config, spec_cache
-from shardfit.spec.derive import between_region_norms, build_hf_model, find_blocks, quiet
+from shardfit.spec.derive import between_region_norms, build_hf_model, colwise_owners, find_blocks, quiet
 from shardfit.spec.models import derived_entry, derived_spec, load_hf_config
 
 TERMS = ("per_token", "per_token_s", "per_position", "per_position_s", "per_sample", "const")
@@ -185,10 +185,15 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     plan = dict(getattr(base, "_tp_plan", None) or {})
     norms = set(between_region_norms(base, plan)) if plan else set()
+    owners = set(colwise_owners(base, plan)) if plan else set()
+    gathered: dict = defaultdict(list)  # part -> the storage of each colwise owner's input, in order
     for name, module in base.named_modules():
         if name in norms:
             module.register_forward_pre_hook(lambda _m, _a: state.__setitem__("norm", True))
             module.register_forward_hook(lambda _m, _a, _o: state.__setitem__("norm", False))
+        if name in owners:
+            module.register_forward_pre_hook(lambda _m, args, kwargs: _note_input(gathered, state["part"], args, kwargs),
+                                             with_kwargs=True)
     autocast = regime == "autocast"
 
     class Recorder(TorchDispatchMode):
@@ -245,6 +250,7 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
 
             input_ids = torch.randint(0, vocab, (b, s))
             state["part"] = "pre"
+            gathered.clear()  # NOTE: one forward's inputs only (a freed storage's key is reused)
             # Only autocast's casts are weight copies: a 16-bit model's own fp32 casts (Gemma's
             # 1 + weight) are ordinary saved tensors.
             timeline = Timeline(storage_key, params)
@@ -267,12 +273,24 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             ops = dict(recorder.ops)
             copies = weight
             keep.clear()
+    # Under sequence parallel each owner all-gathers its own copy of its input: owners that read the
+    # same tensor under TP alone (Cohere's parallel attention and MLP) save one more full copy each.
+    extra = {part: len(keys) - len(set(keys)) for part, keys in gathered.items()}
     return _coefficients(measured, kept, copies, kinds, points,
-                         getattr(model.config, "_experts_implementation", None) or "", instants, ops, normed)
+                         getattr(model.config, "_experts_implementation", None) or "", instants, ops, normed, extra)
+
+
+def _note_input(gathered: dict, part, args, kwargs) -> None:
+    """Record the storage of a module's hidden-states input (first positional or `hidden_states=`)."""
+    import torch
+
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if isinstance(hidden, torch.Tensor):
+        gathered[part].append(storage_key(hidden))
 
 
 def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points: list, experts: str,
-                  instants: dict, ops: dict, normed: dict) -> dict:
+                  instants: dict, ops: dict, normed: dict, extra_gathers: dict) -> dict:
     fit_points, check = points[:-1], points[-1]
 
     def solve(part, table=measured):
@@ -308,6 +326,9 @@ def _coefficients(measured: dict, kept: dict, copies: dict, kinds: list, points:
             # sequence parallel runs them on sequence shards (estimate/model_parallel.py).
             "sp_norm_kinds": [as_float(solve(last[k], normed)) for k in range(n_kinds)],
             "sp_norm_post": as_float(solve("post", normed)),
+            # Colwise owners per kind's block that read an input another owner read (one more gathered
+            # copy each under sequence parallel).
+            "sp_extra_gathers": [int(extra_gathers.get(last[k], 0)) for k in range(n_kinds)],
             # The peak instants inside each kind's block, split as the tracker files them.
             "forward_inside": [[{name: as_float(c) for name, c in instant.items()} for instant in
                                 peak_instants({p: instants[p][last[k]] for p in points}, fit_points, check,

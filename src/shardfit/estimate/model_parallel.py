@@ -208,11 +208,12 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # reduce-scatter). estimate/sequence_parallel.py. Per micro-batch, bytes.
     sp_saved = 0
     if layout.sequence_parallel and not paper:
-        per_layer, final_norm = sharded_norm_bytes(rank_model, est.term("activations.block").inputs["regime"])
+        per_layer, final_norm, extra = sharded_norm_bytes(rank_model, est.term("activations.block").inputs["regime"])
         selective = is_selective_ac(t.activation_checkpointing)
         kept = layers if selective else checkpointed_blocks(layers, parse_activation_checkpointing(t.activation_checkpointing))
         per_token = (layers - kept) * per_layer + kept * res * model.hidden_size + (final_norm if last else 0)
-        sp_saved = int(b * s * per_token * (1 - 1 / layout.tp))
+        # Owners that share one normed input under TP alone each keep their own gathered copy under SP.
+        sp_saved = int(b * s * (per_token * (1 - 1 / layout.tp) - (layers - kept) * extra * res * model.hidden_size))
     per_micro = _paper_activations(plan, layout, layers, first, last) if paper else one - sp_saved
     p2p = pipeline_buffers(plan, layout, first, last, res)
     # The last stage's output (the logits) of each micro-batch in flight, which the stage keeps in its

@@ -22,17 +22,21 @@ from shardfit.spec.models import PRESETS_DIR
 
 
 @lru_cache(maxsize=256)
-def sharded_norm_bytes(model, regime: str) -> tuple[float, float]:
-    """(bytes per token per layer, averaged over the layers' kinds; the final norm's per token) that
-    the norms between the TP regions save."""
+def sharded_norm_bytes(model, regime: str) -> tuple[float, float, float]:
+    """(bytes per token per layer that the norms between the TP regions save, averaged over the layers'
+    kinds; the final norm's per token; extra gathered copies per layer): the last, where two colwise
+    owners read one normed input under TP alone (Cohere's parallel attention and MLP), each all-gathers
+    its own copy under SP, which its linears save at full width."""
     shipped = _shipped().get(model.source) if not model.derived else None
     if shipped is not None and regime in shipped:
         return tuple(shipped[regime])
     derived = model if model.derived else twin(model)
     c = load_coefficients(derived, regime, "sdpa", None)
     counts = [count for _, count, _ in derived.block_kinds]
-    per_layer = sum(n * k["per_token"] for n, k in zip(counts, c["sp_norm_kinds"])) / max(sum(counts), 1)
-    return per_layer, c["sp_norm_post"]["per_token"]
+    layers = max(sum(counts), 1)
+    per_layer = sum(n * k["per_token"] for n, k in zip(counts, c["sp_norm_kinds"])) / layers
+    extra = sum(n * k for n, k in zip(counts, c["sp_extra_gathers"])) / layers
+    return per_layer, c["sp_norm_post"]["per_token"], extra
 
 
 @lru_cache(maxsize=1)

@@ -225,12 +225,25 @@ def param_order(model, blocks) -> tuple:
     return tuple(order)
 
 
+def _owner_patterns(plan: dict) -> list[list[str]]:
+    return [path.rsplit(".", 1)[0].split(".") for path, style in plan.items() if style == "colwise" and "." in path]
+
+
+def colwise_owners(model, plan: dict) -> list[str]:
+    """The modules that own the colwise linears of the TP plan `plan` (the attention, the MLP): under
+    sequence parallel each all-gathers its sequence-sharded input once (engines/sequence_parallel.py)."""
+    owners = _owner_patterns(plan)
+    return [name for name, _ in model.named_modules() if name and any(
+        len(name.split(".")) == len(owner) and all(w in ("*", p) for p, w in zip(name.split("."), owner))
+        for owner in owners)]
+
+
 def between_region_norms(model, plan: dict) -> list[str]:
     """The norms sequence parallel runs on sequence shards: leaf RMSNorm / LayerNorm modules outside
     every module that owns a colwise linear of the TP plan `plan` ({path pattern: style}; paths
     relative to `model`). A norm inside the attention (Qwen3's per-head q_norm) sees this rank's heads,
     not the stream between the regions."""
-    owners = [path.rsplit(".", 1)[0].split(".") for path, style in plan.items() if style == "colwise" and "." in path]
+    owners = _owner_patterns(plan)
 
     def inside(name: str) -> bool:
         parts = name.split(".")
