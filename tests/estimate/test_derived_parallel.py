@@ -148,3 +148,36 @@ def test_pipeline_stages_split_the_layers_by_kind_and_hold_the_edges(models, arc
     assert first.vocab_size == 0 and last.vocab_size == spec.vocab_size
     assert first.single_adam_peak >= 2 * spec.vocab_size * spec.hidden_size  # the embedding, on the first stage
     assert derived_parallel.rank_layer_indices(8, 2, 2, 0) == [0, 1, 4, 5]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "granitemoe"])
+def test_expert_parallel_splits_the_routed_experts_only(models, arch, tmp_path_factory):
+    """A rank under ep holds num_experts / ep of every MoE block's routed experts (the `experts`
+    tensors, one row per expert, as the meta-built model has them); the router, the shared experts and
+    everything else stay whole. Its estimate keeps the unsharded rank's activations (balanced routing)."""
+    from shardfit.estimate.estimator import estimate
+    from shardfit.measure.worker import load_plan
+    from shardfit.spec.derive import build_hf_model
+    from shardfit.spec.models import load_hf_config
+
+    if arch not in models:
+        folder = tmp_path_factory.mktemp(arch)
+        (folder / "config.json").write_text(json.dumps(tiny_config(arch)))
+        models[arch] = str(folder)
+    spec = load_model_spec(models[arch])
+    model = build_hf_model(load_hf_config(models[arch]), device="meta")
+    routed = sum(p.numel() for name, p in model.named_parameters()
+                 if ".experts." in f".{name}" and "shared" not in name and p.shape[0] == spec.num_experts)
+    assert routed and sum(n * x for (_, n, _), x in zip(spec.block_kinds, spec.kind_expert_params)) == routed
+    for ep in (2, 4):
+        rank = derived_parallel.expert_sharded(spec, ep)
+        assert rank.n_params == spec.n_params - routed + routed // ep
+        assert rank.num_experts == spec.num_experts // ep
+
+    def plan(ep):
+        return load_plan({"model": models[arch], "strategy": {"kind": "ddp"}, "cluster": {"nodes": 1, "gpus_per_node": 4},
+                          "training": {"micro_batch": 2, "seq_len": 64, "precision": "fp32"},
+                          "parallelism": {"ep": ep} if ep > 1 else {}})
+    one, two = estimate(plan(1), device="cpu").phases, estimate(plan(2), device="cpu").phases
+    assert two["load"]["params"] < one["load"]["params"] and two["load"]["optimizer"] < one["load"]["optimizer"]
+    assert two["backward"]["activations"] == one["backward"]["activations"]

@@ -14,7 +14,9 @@ A pipeline rank holds some of the layers (their kinds from the spec's layer orde
 the first stage, the final norm, head and loss on the last (stage_model): the traced per-kind
 coefficients scale to its layers; a stage without the head has no head terms (vocab_size 0, as the
 hand-written ranks) and takes the assumed peak instants (the traced step runs the whole model).
-Not here yet: expert parallel of derived specs (one line). No torch on a cached spec.
+Expert parallel (expert_sharded): the rank holds num_experts / ep of each MoE block's routed experts
+(the `experts` tensors with one row per expert, as derived); the router and shared experts stay whole.
+No torch on a cached spec.
 """
 from __future__ import annotations
 
@@ -34,8 +36,9 @@ def check_layout(model: ModelSpec, layout) -> None:
     if layout.pp > 1 and not model.layer_kinds:
         raise ShardfitError(f"{model.name}: its cached spec predates pipeline estimates (no layer order): clear the "
                             f"cache (shardfit models --clear-cache) and plan it again")
-    if layout.ep > 1:
-        raise ShardfitError(f"{model.name} is a derived spec: expert parallel of it is not modelled yet; set ep to 1")
+    if layout.ep > 1 and not any(model.kind_expert_params):
+        raise ShardfitError(f"{model.name}: no routed experts found (tensors under an `experts` module with one row per "
+                            f"expert), so expert parallel has nothing to split: set ep to 1")
     if layout.tp > 1:
         rank_config.check_plan(model, layout.tp)
 
@@ -152,3 +155,23 @@ def stage_model(model: ModelSpec, rank: ModelSpec, layers: list[int], first: boo
                    vocab_size=rows if last else 0, tensor_shapes=tuple(sorted(shapes.items())), param_order=(),
                    largest_layer_params=max((math.prod(s) for s in shapes), default=0),
                    single_adam_peak=max((2 * n + (sizes[i - 1] if i else 0) for i, n in enumerate(sizes)), default=0))
+
+
+def expert_sharded(rank: ModelSpec, ep: int) -> ModelSpec:
+    """The spec of a rank holding num_experts / ep of every MoE block's routed experts: the states
+    expert parallel leaves it (estimate/expert_parallel.with_experts_sharded takes the activations from
+    the unsharded rank: balanced routing keeps the rows per rank)."""
+    experts = rank.num_experts
+    if experts % ep:
+        raise ShardfitError(f"ep = {ep} must divide {rank.name}'s {experts} experts: choose a divisor")
+    kinds = tuple((name, n, params - routed + routed // ep)
+                  for (name, n, params), routed in zip(rank.block_kinds, rank.kind_expert_params))
+    cut = sum(n * (routed - routed // ep) for (_, n, _), routed in zip(rank.block_kinds, rank.kind_expert_params))
+    shapes = {}
+    for shape, n in rank.tensor_shapes:
+        key = (shape[0] // ep,) + tuple(shape[1:]) if len(shape) >= 3 and shape[0] == experts else shape
+        shapes[key] = shapes.get(key, 0) + n
+    return replace(rank, num_experts=experts // ep, block_kinds=kinds, n_params=rank.n_params - cut,
+                   block_params=max((p for _, n, p in kinds if n), default=0),
+                   kind_expert_params=tuple(routed // ep for routed in rank.kind_expert_params),
+                   tensor_shapes=tuple(sorted(shapes.items())), param_order=(), single_adam_peak=0)

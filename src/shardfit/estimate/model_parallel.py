@@ -21,7 +21,7 @@ rest: Korthikanti's 10 + 24/t split), then:
 The reported estimate is the rank with the highest peak; `stage_estimates` gives every stage.
 - expert parallel: the experts / ep on a rank, balanced routing (estimate/expert_parallel.py).
 A derived spec's rank is the derived spec of the config that rank runs (estimate/derived_parallel.py:
-tp, cp and pipeline stages; expert parallel is refused for now).
+tp, cp, pipeline stages and expert parallel).
 Not modelled yet (issue 14): TP's own communication buffers, routing imbalance. No torch here.
 """
 from __future__ import annotations
@@ -356,6 +356,8 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
                 rank_model = derived_parallel.local_model(model, layout.tp if tp is None else tp, layout.loss_parallel)
                 indices = derived_parallel.rank_layer_indices(model.num_layers, layout.pp, layout.virtual, stage)
                 rank_model = derived_parallel.stage_model(model, rank_model, indices, first, last)
+                if ep > 1:
+                    rank_model = derived_parallel.expert_sharded(rank_model, ep)
             else:
                 rank_model = local_model(model, layout, count, first, last, tp=tp, ep=ep)
             rank_plan = local_plan(plan, layout, rank_model)

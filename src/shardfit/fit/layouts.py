@@ -13,7 +13,7 @@ the step-time model (fit/parallel_time.py) ranks them with the data-parallel pla
 Expert parallelism for MoE models: ep degrees inside a node (with tp), borrowed from dp_shard x cp.
 
 Derived ("any model") specs: tp (where the model's own TP plan slices into a config one rank runs),
-pp and cp; their expert parallel is not estimated yet.
+pp, cp and ep (their routed `experts` tensors).
 Not searched (yet): DDP / ZeRO-1 x TP, the interleaved and zero-bubble schedules, LoRA under
 tp / cp / pp / ep.
 """
@@ -58,7 +58,7 @@ def _tp_degrees(model, gpus_per_node: int) -> list[int]:
 def layouts(model, cluster, seq_len: int) -> list[Parallelism]:
     """The tp x pp x cp layouts worth searching, in the field's order; [] where only data parallelism
     applies (one GPU, a model without shapes). A derived spec ("any model"): tp where its own TP plan
-    slices into a config one rank runs (estimate/derived_parallel.py), no ep."""
+    slices into a config one rank runs (estimate/derived_parallel.py)."""
     world = cluster.world_size
     if world == 1 or not model.has_shape or not model.num_layers:
         return []
@@ -86,7 +86,7 @@ def _ep_degrees(model, shard_cp: int, tp: int, gpus_per_node: int) -> list[int]:
     """1, and for an MoE model the expert-parallel degrees that divide its experts and the dp_shard x cp
     ranks they borrow, inside a node with tp (the token all-to-all of every MoE layer, each way, in
     forward and backward, needs the node's links: Mixtral's and Qwen-MoE's EP runs inside a node)."""
-    if not model.num_experts or model.derived:
+    if not model.num_experts or (model.derived and not any(model.kind_expert_params)):
         return [1]
     return [1] + [e for e in _powers(min(model.num_experts, MAX_EP)) if model.num_experts % e == 0
                   and shard_cp % e == 0 and tp * e <= gpus_per_node]

@@ -254,6 +254,16 @@ def between_region_norms(model, plan: dict) -> list[str]:
             and not inside(name)]
 
 
+def routed_expert_params(block, num_experts: int) -> int:
+    """The routed experts' parameters in a block: tensors under a module named `experts` (transformers'
+    MoE blocks: `mlp.experts.gate_up_proj`, `block_sparse_moe.experts.down_proj`; not `shared_experts`)
+    with one row per expert."""
+    if not num_experts:
+        return 0
+    return sum(p.numel() for name, p in block.named_parameters()
+               if "experts" in name.split(".")[:-1] and p.dim() >= 2 and p.shape[0] == num_experts)
+
+
 def run_lengths(values: list) -> tuple:
     """((value, run), ...) of consecutive equal values."""
     runs: list = []
@@ -378,6 +388,8 @@ def _derive(cfg: dict, name: str, source: str, config_hash: str) -> tuple[ModelS
         single_adam_peak=single_adam_peak(model), param_order=param_order(model, blocks),
         tp_plan=tuple((str(path), str(style)) for path, style in (getattr(model, "_tp_plan", None) or {}).items()),
         layer_kinds=run_lengths([kind_list.index(k) for k in kinds]),
+        kind_expert_params=tuple(routed_expert_params(blocks[kinds.index(k)], _first_int(text, _EXPERTS))
+                                 for k in kind_list),
     )
     depth = reduced_depth(kinds)
     facts = {"depth": len(blocks), "kinds": [kind_list.index(k) for k in kinds]}

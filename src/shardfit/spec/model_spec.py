@@ -66,6 +66,9 @@ class ModelSpec:
     # ((block kind index, run), ...): the kind of every layer in order, run-length encoded (which kinds
     # a pipeline stage holds); derived specs only.
     layer_kinds: tuple = ()
+    # (params, ...): per block kind, the routed experts' parameters in one block (tensors under an
+    # `experts` module with num_experts rows: what expert parallel splits); derived specs only.
+    kind_expert_params: tuple = ()
 
     @property
     def largest_unit_params(self) -> int:
@@ -96,7 +99,7 @@ class ModelSpec:
 
     def __post_init__(self):
         # NOTE: YAML/JSON give lists; a frozen spec is a cache key, so nested sequences become tuples.
-        for name in ("block_kinds", "linears", "tensor_shapes", "param_order", "tp_plan", "layer_kinds"):
+        for name in ("block_kinds", "linears", "tensor_shapes", "param_order", "tp_plan", "layer_kinds", "kind_expert_params"):
             object.__setattr__(self, name, _tuples(getattr(self, name)))
 
     @classmethod
