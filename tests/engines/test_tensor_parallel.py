@@ -75,6 +75,11 @@ KNOWN_GAPS = {"fsdp2xtp/fp32/ac-none": {_BATCH}, "tiny-qwen2/fsdp2xtp/fp32": {_B
 
 
 TOTAL_TOLERANCE: dict = {}
+# Under per-op SAC with FSDP2 the backward peak lands at a unit's unsharded grads or at a recomputed
+# block, run to run (tiny-llama SP: grads 0 or 46,336 B, activations 766,736 or 643,088 B): the split
+# varies, the phase total is held to 2% (matrix_gaps.VARIES_FSDP2_AC without tp).
+_SPLIT = {"backward/grads", "backward/activations", "backward/temporaries"}
+VARIES = {"fsdp2xtpxsp/fp32/ac-selective": _SPLIT, "qwen3/fsdp2xtpxsp/fp32/ac-selective": _SPLIT}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +147,7 @@ def test_measured_categories_match_the_per_rank_estimate(results, label):
     # Run to run, the logits all-gather's staging buffers are freed before or after the loss saves its
     # fp32 log_softmax (tiny-qwen2 forward activations 1,407,492 or 1,572,364 B; llama bf16 forward
     # temporaries 352,672 or 475,552 B): the estimate is the worst case, either measurement is allowed.
-    varies = {"forward/activations", "forward/temporaries"}
+    varies = {"forward/activations", "forward/temporaries"} | VARIES.get(label, set())
     misses = []
     for phase, measured in result["measured"].items():
         total = sum(measured.get(c, 0) for c in CATEGORIES)
