@@ -58,9 +58,10 @@ def test_owners_reading_one_normed_input_gather_it_twice(tmp_path):
 
 
 def test_a_norm_inside_the_attention_is_not_between_the_regions():
-    """Qwen3's per-head q_norm / k_norm run on this rank's heads (spec/derive.between_region_norms,
+    """Qwen3's per-head q_norm / k_norm run on this rank's heads (spec/tp_modules.between_region_norms,
     which the engine's sequence parallel and the trace share)."""
-    from shardfit.spec.derive import between_region_norms, build_hf_model
+    from shardfit.spec.derive import build_hf_model
+    from shardfit.spec.tp_modules import between_region_norms
     from shardfit.spec.tiny import tiny_config
 
     model = build_hf_model(tiny_config("qwen3"), device="meta")

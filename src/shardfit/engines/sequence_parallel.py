@@ -11,7 +11,7 @@ MLP) all-gathers its sequence-sharded input once on entry, which is the tensor i
 from __future__ import annotations
 
 from shardfit.errors import ShardfitError
-from shardfit.spec.derive import between_region_norms, colwise_owners
+from shardfit.spec.tp_modules import between_region_norms, colwise_owners
 
 
 def sp_styles() -> dict:
@@ -57,7 +57,7 @@ def shard_between_regions(model, tp_mesh, wanted: dict) -> None:
     modules = dict(model.named_modules())
     for name in colwise_owners(model, wanted):
         modules[name].register_forward_pre_hook(_gather_sequence, with_kwargs=True)
-    # The same norms the estimator's trace counts as sharded (spec/derive.py).
+    # The same norms the estimator's trace counts as sharded (spec/tp_modules.py).
     norms = {name: SequenceParallel() for name in between_region_norms(model, wanted)}
     if not norms:
         raise ShardfitError(f"{type(model).__name__} has no RMSNorm / LayerNorm modules to run on sequence shards: "

@@ -30,7 +30,8 @@ from shardfit.errors import ShardfitError
 from shardfit.estimate.forward_timeline import Timeline, peak_instants
 from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
 from shardfit.spec import rank_config, spec_cache
-from shardfit.spec.derive import between_region_norms, build_hf_model, colwise_owners, find_blocks, quiet
+from shardfit.spec.derive import build_hf_model, find_blocks, quiet
+from shardfit.spec.tp_modules import between_region_norms, colwise_owners
 from shardfit.spec.models import derived_entry, derived_spec, load_hf_config
 
 TERMS = ("per_token", "per_token_s", "per_position", "per_position_s", "per_sample", "const")
