@@ -86,27 +86,30 @@ def selective_available(model) -> bool:
 
 
 @lru_cache(maxsize=1)
+def _shipped_file() -> dict:
+    """The presets' traced terms (spec/presets/traced/selective.json, scripts/trace_presets.py), read
+    once, so a preset's plan stays torch-free; tests hold each section equal to a fresh trace."""
+    try:
+        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def shipped_section(name: str) -> dict:
+    """One section of the shipped file: presets, block_ops, tensor_parallel, sequence_parallel."""
+    section = _shipped_file().get(name)
+    return section if isinstance(section, dict) else {}
+
+
 def _shipped_block_ops() -> dict:
-    try:
-        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text()).get("block_ops", {})
-    except (OSError, ValueError):
-        return {}
+    return shipped_section("block_ops")
 
 
-@lru_cache(maxsize=1)
 def _shipped_selective_tp() -> dict:
-    """{tp: {preset: terms}}: the same for the presets' tensor-parallel ranks (their sliced twins)."""
-    try:
-        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text()).get("tensor_parallel", {})
-    except (OSError, ValueError):
-        return {}
+    """{tp: {preset: terms}}: the presets' tensor-parallel ranks (their sliced twins)."""
+    return shipped_section("tensor_parallel")
 
 
-@lru_cache(maxsize=1)
 def _shipped_selective() -> dict:
-    """The presets' selective-checkpointing terms, traced once and shipped (scripts/trace_presets.py),
-    so a preset's plan stays torch-free; tests hold them equal to a fresh trace."""
-    try:
-        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text())["presets"]
-    except (OSError, ValueError, KeyError):
-        return {}
+    """The presets' selective-checkpointing terms."""
+    return shipped_section("presets")

@@ -14,11 +14,10 @@ The bytes come from the model's own code: the trace counts what the between-regi
 """
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 
 from shardfit.estimate.derived import load_coefficients, twin
-from shardfit.spec.models import PRESETS_DIR
+from shardfit.estimate.selective import shipped_section
 
 
 @lru_cache(maxsize=256)
@@ -39,9 +38,5 @@ def sharded_norm_bytes(model, regime: str) -> tuple[float, float, float]:
     return per_layer, c["sp_norm_post"]["per_token"], extra
 
 
-@lru_cache(maxsize=1)
 def _shipped() -> dict:
-    try:
-        return json.loads((PRESETS_DIR / "traced" / "selective.json").read_text()).get("sequence_parallel", {})
-    except (OSError, ValueError):
-        return {}
+    return shipped_section("sequence_parallel")
