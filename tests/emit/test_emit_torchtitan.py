@@ -202,3 +202,15 @@ def test_torchtitans_own_loader_accepts_every_emitted_line_and_reads_the_plan_ba
         model = next(m for m in TITAN_MODELS if m.config == row["config"])
         recorded = {k: v for k, v in asdict(model).items() if k in result["model"]}
         assert result["model"] == recorded, row["config"]
+
+
+def test_zero_bubble_schedules_keep_torchs_names_and_the_model_order_split():
+    for schedule, name in (("zero-bubble", "InterleavedZeroBubble"), ("zbv", "ZBVZeroBubble"), ("dualpipev", "DualPipeV")):
+        virtual = 1 if schedule == "zero-bubble" else 2
+        plan = _plan("llama-3.1-70b", nodes=4, grad_accum=16, parallelism=Parallelism(
+            tp=8, pp=4, pp_schedule=schedule, pp_virtual_stages=virtual))
+        args = torchtitan_args(plan)[0]
+        assert args[args.index("--parallelism.pipeline_parallel_schedule") + 1] == name
+        start = args.index("--parallelism.module_fqns_per_model_part") + 1
+        parts = args[start:start + 4 * virtual]  # model order: torchtitan places them in the schedule's V itself
+        assert parts[0].startswith("tok_embeddings,layers.0,") and parts[-1].endswith("layers.79,norm,lm_head")

@@ -272,3 +272,19 @@ def test_gpipe_peaks_before_gradients_exist_and_holds_the_logits_on_the_last_sta
     extra = gpipe[1][2].phases["backward"]["activations"] - one_f[1][2].phases["backward"]["activations"]
     per_micro = one_f[1][2].phases["backward"]["activations"] - logits
     assert extra == 3 * (per_micro + logits)
+
+
+def test_zero_bubble_ranks_hold_their_own_waiting_microbatches():
+    """ZB1P on 4 stages of one layer each: the middle ranks hold the same layers and the same micro-batches
+    alive, but rank i waits on min(i + 1, m) weight gradients, each keeping one micro-batch's op-output
+    gradients (estimate/split_backward.py): each rank is its own estimate, not a cached neighbour's."""
+    from shardfit.estimate.split_backward import weight_grad_inputs
+
+    plan = _pipeline_plan(4, "zero-bubble")
+    stages = stage_estimates(plan, estimate, accounting="real", device="cpu", explain=True)
+    held = [est.term("parallel.weight_grad_inputs").bytes for _, _, est in stages]
+    one = weight_grad_inputs(plan.model, 1, False, False, 2 * 64, 4, 1)
+    assert held[1:3] == [2 * one, 3 * one]  # ranks 1 and 2: same layers, same key before; 2 and 3 waiting
+    assert held[0] == 2 * 64 * plan.model.hidden_size * 4  # the first stage keeps only the received gradient
+    backward = [est.phases["backward"]["temporaries"] for _, _, est in stages]
+    assert backward[2] - backward[1] == one

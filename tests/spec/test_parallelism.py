@@ -6,7 +6,8 @@ import pytest
 
 from shardfit.errors import ShardfitError
 from shardfit.spec.models import load_model_spec
-from shardfit.spec.parallelism import Parallelism, in_flight_microbatches, resolve, stage_layers
+from shardfit.spec.parallelism import (Parallelism, chunk_rank, holds_edges, in_flight_microbatches, rank_chunks,
+                                       resolve, stage_layers)
 from shardfit.spec.plan import Cluster, Plan, Training, parse_strategy, plan_from_dict, validate_plan
 from shardfit.spec.planfile import dump_plan, load_plan
 
@@ -56,6 +57,12 @@ def test_uneven_layers_go_to_the_middle_stages():
     assert stage_layers(126, 16) == (7,) + (8,) * 14 + (7,)  # Llama 3's own 16-stage split
     assert stage_layers(32, 4, 2) == (8, 8, 8, 8)
     assert sum(stage_layers(105, 35)) == 105
+    # A V (ZB-V, DualPipeV): rank r holds chunks r and 2p - 1 - r, so the two middle chunks (which take
+    # the extra layers) both sit on the last rank: 10 layers in 8 chunks (1,1,1,2,2,1,1,1).
+    assert stage_layers(10, 4, 2, "zbv") == (2, 2, 2, 4)
+    assert [rank_chunks(r, 4, 2, "zbv") for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert [chunk_rank(k, 4, 2, "dualpipev") for k in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert holds_edges(0, 4, 2, "zbv") == (True, True) and holds_edges(3, 4, 2, "interleaved") == (False, True)
 
 
 def test_in_flight_microbatches_per_schedule():
@@ -78,7 +85,15 @@ BAD = [
     (dict(sequence_parallel=True), "needs tp > 1"),
     (dict(cp=4, tp=2), None),  # valid: 8192 % 8 == 0
     (dict(pp=8, pp_schedule="interleaved"), "pp_virtual_stages >= 2"),
-    (dict(pp=8, pp_virtual_stages=2), "needs the interleaved schedule"),
+    (dict(pp=8, pp_virtual_stages=2), "needs a schedule with several chunks per rank"),
+    (dict(pp=8, pp_schedule="zbv", pp_microbatches=16), "exactly 2 chunks per rank"),
+    (dict(pp=8, pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=14), "at least 15"),
+    (dict(pp=8, pp_schedule="zbv", pp_virtual_stages=2, pp_microbatches=15), None),
+    (dict(pp=8, pp_schedule="dualpipev", pp_virtual_stages=2, pp_microbatches=15), "at least 16"),
+    (dict(pp=8, pp_schedule="zero-bubble", pp_microbatches=17), "rounds of pp"),  # torch: 2 rounds of 8.5
+    (dict(pp=8, pp_schedule="zero-bubble", pp_microbatches=12), None),  # one round of 12
+    (dict(pp=8, pp_schedule="zero-bubble", pp_microbatches=4), None),  # one round of 4 (a warning)
+    (dict(pp=8, pp_schedule="zero-bubble", pp_virtual_stages=2, pp_microbatches=4), "rounds of pp"),
     (dict(pp=8, pp_schedule="zigzag"), "pp_schedule 'zigzag' is not known"),
     (dict(pp=8, pp_schedule="interleaved", pp_virtual_stages=2, pp_microbatches=12), "multiple of pp = 8"),
     (dict(pp=64, pp_virtual_stages=2, pp_schedule="interleaved", pp_microbatches=64), "128 chunks but"),

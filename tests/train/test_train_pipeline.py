@@ -2,7 +2,8 @@
 micro-batches) in the real loop. A 2-stage run on 2 ranks trains the same steps as one process
 accumulating the same micro-batches; pp 2 x dp 2 under FSDP2 on 4 ranks the same as 2-rank DDP; their
 DCP checkpoints, keyed by the whole model's names, resume without a pipeline and the other way round;
-the export gathers every stage's tensors into the one-process run's model."""
+the export gathers every stage's tensors into the one-process run's model; the ZB-V schedule (a V of
+2 chunks per rank) trains the same steps."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +56,20 @@ def test_two_stages_train_like_one_process_and_checkpoints_cross_layouts(tmp_pat
         want = run_losses(one)
         for step, loss in run_losses(out).items():
             assert step > 2 and loss == pytest.approx(want[step], rel=1e-5), (out.name, step, loss, want)
+
+
+def test_a_v_schedule_trains_like_one_process_and_exports_the_head_from_rank_0(tmp_path):
+    """ZB-V: each backward split into input and weight gradients, 2 chunks per rank in a V, so rank 0
+    holds the embedding and the head (the loss, the held-out loss and the export's head come from it)."""
+    zbv, one = tmp_path / "zbv", tmp_path / "one"
+    # A held-out loss mid-run too (step 2): torch's ZB-V cannot run forward only, the engine runs its
+    # forward actions alone, and training must go on unchanged after it.
+    shardfit("train", *COMMON, "--eval-every", "2", "--strategy", "ddp", "--pp", "2", "--pp-schedule", "zbv",
+             "--nproc", "2", "--out", str(zbv), "--export", str(zbv / "export"), timeout=300)
+    shardfit("train", *COMMON, "--eval-every", "2", "--strategy", "single", "--nproc", "1", "--out", str(one),
+             "--export", str(one / "export"), timeout=300)
+    _same_run(zbv, one)
+    _same_weights(zbv, one)
 
 
 def test_fsdp2_stages_with_data_parallel_train_like_ddp(tmp_path):

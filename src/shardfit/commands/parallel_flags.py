@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from shardfit.spec.parallelism import V_SCHEDULES
+
 # flag dest -> Parallelism field
 _FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard",
            "pp_schedule": "pp_schedule", "pp_virtual": "pp_virtual_stages", "pp_microbatches": "pp_microbatches"}
@@ -20,8 +22,10 @@ def add_parallel_arguments(parser) -> None:
                             "the engine runs) instead of a vocab-parallel loss (default, Megatron / torchtitan)")
     group.add_argument("--cp", type=int, default=None, help="context-parallel degree (ring attention over the sequence)")
     group.add_argument("--pp", type=int, default=None, help="pipeline stages")
-    group.add_argument("--pp-schedule", default=None, help="gpipe | 1f1b (default) | interleaved")
-    group.add_argument("--pp-virtual", type=int, default=None, help="model chunks per pipeline rank (interleaved)")
+    group.add_argument("--pp-schedule", default=None,
+                       help="gpipe | 1f1b (default) | interleaved | zero-bubble (ZB1P) | zbv | dualpipev")
+    group.add_argument("--pp-virtual", type=int, default=None,
+                       help="model chunks per pipeline rank (interleaved, zero-bubble; zbv / dualpipev: 2, the default)")
     group.add_argument("--pp-microbatches", type=int, default=None,
                        help="micro-batches per step through the pipeline (default: --grad-accum)")
     group.add_argument("--ep", type=int, default=None, help="expert-parallel degree (MoE)")
@@ -40,4 +44,6 @@ def parallelism_from_args(args, current):
         changes["loss_parallel"] = False
     if changes.get("pp_virtual_stages", 0) > 1 and "pp_schedule" not in changes:
         changes["pp_schedule"] = "interleaved"
+    if changes.get("pp_schedule") in V_SCHEDULES and "pp_virtual_stages" not in changes:
+        changes["pp_virtual_stages"] = 2  # a V: two chunks per rank, always
     return replace(current, **changes)

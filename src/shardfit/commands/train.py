@@ -41,6 +41,9 @@ def add_arguments(parser) -> None:
                        "layer, the rest data parallel; a checkpoint resumes under another --tp / --nproc")
     group.add_argument("--pp", type=int, help="pipeline stages (torch.distributed.pipelining, 1F1B over the "
                        "--grad-accum micro-batches; ddp / fsdp2 inside a stage); a checkpoint resumes under another --pp")
+    group.add_argument("--pp-schedule", dest="pp_schedule",
+                       help="pipeline schedule: 1f1b (default), gpipe, interleaved, zero-bubble, zbv, dualpipev (the V "
+                            "schedules run 2 chunks per rank)")
     group.add_argument("--data", help="local .txt or .jsonl file (default: the embedded corpus)")
     group.add_argument("--tokenizer", help="local HF tokenizer directory (default: byte-level)")
     group.add_argument("--log-every", type=int, dest="log_every")

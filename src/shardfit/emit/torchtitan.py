@@ -54,7 +54,9 @@ TITAN_MODELS = (
     TitanModel("qwen3", "qwen3_30b_a3b", ("qwen3_moe",), 2048, 48, 32, 4, 0, 151936, experts=128),
 )
 
-_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+# torch.distributed.pipelining's get_schedule_class names, which torchtitan's config takes.
+_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
+              "zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}
 _ADAMW_IMPL = {"auto": "foreach", "foreach": "foreach", "single": "for-loop", "fused": "fused"}
 # torchtitan's data parallel is FSDP2 (fully_shard over dp_replicate x dp_shard); these plans map onto it.
 _STRATEGIES = ("single", "ddp", "fsdp2")
@@ -97,8 +99,10 @@ def _check_plan(plan: Plan) -> None:
 
 
 def _pipeline_parts(plan: Plan, layout) -> list[str]:
-    """torchtitan's `module_fqns_per_model_part`: the plan's own split (spec/parallelism.chunk_layers), chunk k
-    on pipeline rank k % pp, the embedding in the first chunk and the final norm and head in the last."""
+    """torchtitan's `module_fqns_per_model_part`: the plan's own split (spec/parallelism.chunk_layers) in model
+    order, the embedding in the first chunk and the final norm and head in the last. torchtitan places chunk
+    k on rank k % pp, or in a V under ZBVZeroBubble / DualPipeV (spec/parallelism.rank_chunks), as
+    shardfit's estimate does."""
     sizes = chunk_layers(plan.model.num_layers, layout.pp * layout.virtual)
     parts, start = [], 0
     for index, size in enumerate(sizes):

@@ -1,8 +1,11 @@
 """Pipeline parallelism through torch.distributed.pipelining: each rank builds a PipelineStage per chunk
 of contiguous layers of a transformers decoder it holds (torchtitan's manual split, not the tracer:
 `pipeline()` needs an fx-traceable forward, which transformers' masks and rotary caches are not), and
-a GPipe, 1F1B or interleaved 1F1B schedule runs the plan's micro-batches through the stages (the
-interleaved one with pp_virtual_stages chunks per rank: chunk k of pp x v, in model order, on rank k % pp).
+one of torch's schedules runs the plan's micro-batches through the stages: GPipe, 1F1B, interleaved 1F1B
+and the zero-bubble ones (ZB1P, ZB-V, DualPipeV: each backward split into the input gradient and a
+later weight gradient). Several chunks per rank under the interleaved ones (pp_virtual_stages: chunk k
+of pp x v, in model order, on rank k % pp) and two in a V under ZB-V and DualPipeV (rank r runs chunks
+r and 2p - 1 - r: spec/parallelism.rank_chunks).
 
 The first stage owns the token embedding, the last the final norm, the head and the loss; every
 stage recomputes the rotary embedding and the causal mask from the sequence length (cheap, and no
@@ -27,9 +30,8 @@ from shardfit.engines import base, pipeline_state
 from shardfit.engines import tensor_parallel as tpar
 from shardfit.engines.native import dcp_checkpoint
 from shardfit.errors import ShardfitError
-from shardfit.spec.parallelism import chunk_layers, resolve
-
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+from shardfit.spec.parallelism import (MULTI_CHUNK_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, TORCH_SCHEDULES, chunk_layers,
+                                       chunk_rank, holds_edges, rank_chunks, resolve)
 
 
 class StageModule(torch.nn.Module):
@@ -101,8 +103,6 @@ def check(plan, model, ctx) -> None:
         raise ShardfitError("tensor parallel inside a pipeline stage runs the model's own transformers TP plan "
                             "(no sequence parallel; its lm_head gathers the logits): set parallelism.sequence_parallel "
                             "and parallelism.loss_parallel false")
-    if par.pp_schedule not in SCHEDULES:
-        raise ShardfitError(f"the pipeline engine runs {', '.join(SCHEDULES)}; '{par.pp_schedule}' is plan only")
     if plan.training.precision not in ("fp32", "bf16"):
         raise ShardfitError(f"the pipeline engine runs fp32 and bf16 (autocast / FSDP2 mixed precision), not "
                             f"{plan.training.precision}: use --precision bf16")
@@ -115,6 +115,28 @@ def check(plan, model, ctx) -> None:
     if not all(hasattr(body, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
         raise ShardfitError(f"{type(model).__name__} is not a llama-style decoder (embed_tokens, layers, norm, "
                             "rotary_emb): the pipeline engine cannot split it")
+
+
+@contextmanager
+def _forward_only(schedule):
+    """The schedule running only the forwards of its action lists, with their sends and receives, in
+    torch's own lowered order (DualPipeV's overlapped forward + backward keeps its forward): torch
+    validates any list it lowers for a full backward, so the lowered one is filtered instead. The same
+    schedule object, so its stages switch between training and evaluation as under 1F1B."""
+    from torch.distributed.pipelining.schedules import FORWARD, RECV_F, SEND_F
+
+    def forwards(action):
+        if action.sub_actions:
+            return [a for sub in action.sub_actions for a in forwards(sub)]
+        return [action] if action.computation_type in (FORWARD, SEND_F, RECV_F) else []
+
+    lowered = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: [a for action in actions for a in forwards(action)]
+                                          for rank, actions in lowered.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = lowered
 
 
 def _drop_other_stages(model, modules) -> None:
@@ -174,11 +196,11 @@ def setup(plan, model, ctx) -> base.Engine:
     # train read data by it).
     stage_index = ctx.rank // (dp * tp)
     mesh = init_device_mesh(ctx.device.type, (stages, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    # pp x v chunks of contiguous layers in model order; chunk k runs on pipeline rank k % pp (v = 1
-    # but under the interleaved schedule: one chunk per rank).
+    # pp x v chunks of contiguous layers in model order (v = 1 but under the multi-chunk schedules: one
+    # chunk per rank), placed on the ranks as the schedule places them.
     chunks = stages * layout.virtual
     counts = chunk_layers(plan.model.num_layers, chunks)
-    mine = list(range(stage_index, chunks, stages))
+    mine = list(rank_chunks(stage_index, stages, layout.virtual, layout.schedule))
     autocast = None if (plan.strategy.kind == "fsdp2" and dp > 1) else (lambda: base.autocast(plan, ctx))
     modules = [StageModule(model, sum(counts[:k]), counts[k], k == 0, k == chunks - 1, autocast) for k in mine]
     _drop_other_stages(model, modules)
@@ -196,9 +218,13 @@ def setup(plan, model, ctx) -> base.Engine:
         # scales the gradients by 1 / micro-batches, as accumulation would.
         return model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
-    schedule = getattr(pipelining, SCHEDULES[layout.schedule])(
-        pipeline_stages if layout.schedule == "interleaved" else pipeline_stages[0],
+    schedule = getattr(pipelining, TORCH_SCHEDULES[layout.schedule])(
+        pipeline_stages if layout.schedule in MULTI_CHUNK_SCHEDULES else pipeline_stages[0],
         n_microbatches=layout.microbatches, loss_fn=loss_fn)
+    # torch's zero-bubble schedules cannot run forward only (their eval walks the I / W actions too:
+    # "can't steal_bwd_input if this stage doesn't have backward"): the held-out loss runs their own
+    # forward actions only (_forward_only).
+    split_backward = layout.schedule in SPLIT_BACKWARD_SCHEDULES
     # FSDP2's sharded parameters where it wrapped a chunk
     params = [p for module in modules for p in base.trainable_params(module)]
     module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
@@ -206,7 +232,9 @@ def setup(plan, model, ctx) -> base.Engine:
     optimizer = base.build_optimizer(plan, params)
     scheduler = base.build_scheduler(plan, optimizer)
     pending: list[dict] = []
-    is_last = stage_index == stages - 1
+    # The ranks that feed the ids and compute the loss: under a V schedule rank 0 does both.
+    is_first, is_last = holds_edges(stage_index, stages, layout.virtual, layout.schedule)
+    loss_rank = chunk_rank(chunks - 1, stages, layout.virtual, layout.schedule)
 
     def forward_backward(batch: dict, last: bool):
         pending.append(batch)
@@ -218,7 +246,7 @@ def setup(plan, model, ctx) -> base.Engine:
         # Returned for the last micro-batch only (0 for the others), so the loop's sum over micro-batches
         # is the same as an engine's that returns each one's.
         loss = run_schedule(schedule.step, ids, labels)
-        dist.broadcast(loss, group=pp_group, group_src=stages - 1)
+        dist.broadcast(loss, group=pp_group, group_src=loss_rank)
         return loss
 
     def run_schedule(run, ids, labels) -> torch.Tensor:
@@ -227,7 +255,7 @@ def setup(plan, model, ctx) -> base.Engine:
         return_outputs=False: otherwise the last stage keeps every micro-batch's logits (m*b*s*V*d)
         until the next step, only to hand them back merged."""
         losses: list = []
-        if stage_index == 0:
+        if is_first:
             run(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
         elif is_last:
             run(target=labels, losses=losses, return_outputs=False)
@@ -243,7 +271,8 @@ def setup(plan, model, ctx) -> base.Engine:
             part.eval()
         try:
             with torch.no_grad():
-                return run_schedule(schedule.eval, ids, labels)
+                with _forward_only(schedule) if split_backward else nullcontext():
+                    return run_schedule(schedule.eval, ids, labels)
         finally:
             for part in modules:
                 part.train()
@@ -271,7 +300,7 @@ def setup(plan, model, ctx) -> base.Engine:
     save, save_async, load = dcp_checkpoint(root, optimizer)
 
     def full_state():
-        return pipeline_state.full_state(model, root, ctx, stage_index, dp * tp, counts, stages)
+        return pipeline_state.full_state(model, root, ctx, stage_index, dp * tp, counts, stages, layout.schedule)
 
     # model: what runs forward (the stage, or an interleaved rank's chunks); module: this rank's part
     # under the full model's names, with its config (checkpoints, export).

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardfit.engines import base
+from shardfit.spec.parallelism import chunk_rank
 
 
 def named_root(model, modules) -> torch.nn.Module:
@@ -29,16 +30,17 @@ def named_root(model, modules) -> torch.nn.Module:
     return root
 
 
-def owner_rank(name: str, prefix: str, chunk_of_layer: dict, chunks: int, stages: int) -> int:
+def owner_rank(name: str, prefix: str, chunk_of_layer: dict, chunks: int, stages: int, schedule: str) -> int:
     """The pipeline rank holding tensor `name` of the full model."""
+    virtual = chunks // stages
     if name.startswith(f"{prefix}.layers."):
-        return chunk_of_layer[int(name.split(".")[2])] % stages
+        return chunk_rank(chunk_of_layer[int(name.split(".")[2])], stages, virtual, schedule)
     if name.startswith(f"{prefix}.embed_tokens."):
         return 0
-    return (chunks - 1) % stages  # the final norm and the head
+    return chunk_rank(chunks - 1, stages, virtual, schedule)  # the final norm and the head
 
 
-def full_state(model, root, ctx, stage_index: int, stage_ranks: int, counts: tuple, stages: int):
+def full_state(model, root, ctx, stage_index: int, stage_ranks: int, counts: tuple, stages: int, schedule: str):
     """(name, tensor) for every tensor of the full model, in its state-dict order: the stage that holds
     it gathers it whole (a collective over that stage's dp x tp ranks), its first rank sends it to
     rank 0, which yields it (the other ranks get None). Every rank must iterate."""
@@ -47,7 +49,7 @@ def full_state(model, root, ctx, stage_index: int, stage_ranks: int, counts: tup
     chunk_of_layer = {layer: k for k, count in enumerate(counts) for layer in range(sum(counts[:k]), sum(counts[:k + 1]))}
     local = root.state_dict()
     for name, reference in inner.state_dict().items():  # meta tensors for the other stages: names, shapes, dtypes
-        owner = owner_rank(name, prefix, chunk_of_layer, len(counts), stages)
+        owner = owner_rank(name, prefix, chunk_of_layer, len(counts), stages, schedule)
         tensor = None
         if owner == stage_index:
             tensor = local[name]

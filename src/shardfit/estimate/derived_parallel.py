@@ -27,7 +27,7 @@ from shardfit.errors import ShardfitError
 from shardfit.estimate.derived import source_config
 from shardfit.spec import rank_config
 from shardfit.spec.model_spec import ModelSpec
-from shardfit.spec.parallelism import chunk_layers
+from shardfit.spec.parallelism import chunk_layers, rank_chunks
 from shardfit.spec.models import derived_spec
 from shardfit.spec.spec_cache import read_entry
 
@@ -105,12 +105,12 @@ def _swap_sizes(order: tuple, old: int, new: list) -> tuple:
     return tuple(out)
 
 
-def rank_layer_indices(num_layers: int, pp: int, virtual: int, stage: int) -> list[int]:
-    """The layers pipeline rank `stage` holds, in model order: chunk k of pp x virtual (chunk_layers)
-    on rank k % pp."""
+def rank_layer_indices(num_layers: int, pp: int, virtual: int, stage: int, schedule: str = "1f1b") -> list[int]:
+    """The layers pipeline rank `stage` holds, in model order: its chunks of pp x virtual (chunk_layers,
+    placed by spec/parallelism.rank_chunks)."""
     sizes = chunk_layers(num_layers, pp * virtual)
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    return [i for k in range(stage, pp * virtual, pp) for i in range(starts[k], starts[k] + sizes[k])]
+    return sorted(i for k in rank_chunks(stage, pp, virtual, schedule) for i in range(starts[k], starts[k] + sizes[k]))
 
 
 def _layer_kinds(model: ModelSpec) -> list[int]:

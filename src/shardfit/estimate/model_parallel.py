@@ -36,9 +36,11 @@ from shardfit.estimate.activations import checkpointed_blocks
 from shardfit.estimate.expert_parallel import expert_weights, with_experts_sharded
 from shardfit.estimate.result import Estimate, Term
 from shardfit.estimate.sequence_parallel import sharded_norm_bytes
+from shardfit.estimate.split_backward import kept_input_grads, split_instants
 from shardfit.estimate.states import block_linears
 from shardfit.spec.model_spec import ModelSpec
-from shardfit.spec.parallelism import Layout, Parallelism, in_flight_microbatches, resolve, stage_layers
+from shardfit.spec.parallelism import (SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, Layout, Parallelism, holds_edges,
+                                       in_flight_microbatches, resolve, stage_layers)
 from shardfit.spec.plan import Cluster, Strategy, is_selective_ac, parse_activation_checkpointing
 
 
@@ -169,7 +171,7 @@ def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, 
     return both if sum(both.values()) > sum(forward.values()) else forward
 
 
-def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int) -> int:
+def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int, stage: int = 0) -> int:
     """Receive buffers of one pipeline rank, bytes (0 without a pipeline). torch.distributed.pipelining
     allocates a receive buffer per micro-batch and per stage chunk, once, and keeps it across steps:
     the boundary activation on every chunk but the model's first, its gradient on every chunk but the
@@ -182,12 +184,13 @@ def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int) -> i
     t = plan.training
     tokens = t.micro_batch * (t.seq_len // layout.cp)
     boundary = tokens * plan.model.hidden_size * d // (layout.tp if layout.sequence_parallel else 1)
-    return layout.microbatches * (2 * layout.virtual - first - last) * boundary
+    buffers = layout.microbatches * (2 * layout.virtual - first - last) * boundary
+    return buffers + kept_input_grads(layout, stage, boundary)
 
 
 def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options: dict, explain: bool) -> Estimate:
     model, t = plan.model, plan.training
-    first, last = stage == 0, stage == layout.pp - 1
+    first, last = holds_edges(stage, layout.pp, layout.virtual, layout.schedule)
     rank_model, est = rank_estimate(layers, first, last, None)
     if layout.ep > 1:
         _, sharded = rank_estimate(layers, first, last, None, layout.ep)
@@ -215,11 +218,17 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
         # Owners that share one normed input under TP alone each keep their own gathered copy under SP.
         sp_saved = int(b * s * (per_token * (1 - 1 / layout.tp) - (layers - kept) * extra * res * model.hidden_size))
     per_micro = _paper_activations(plan, layout, layers, first, last) if paper else one - sp_saved
-    p2p = pipeline_buffers(plan, layout, first, last, res)
+    # A zero-bubble schedule's instants (estimate/split_backward.py): phase -> (micro-batches alive,
+    # bytes waiting for their W, activations their input-gradient pass freed).
+    head = est.term("activations.head").bytes if last and layout.pp > 1 and not paper else 0
+    split = split_instants(layout, stage, rank_model, layers, first, last, b * s, d, per_micro, head,
+                           model.vocab_size)
+    p2p = pipeline_buffers(plan, layout, first, last, res, stage)
     # The last stage's output (the logits) of each micro-batch in flight, which the stage keeps in its
     # forward cache to run that micro-batch's backward from the loss; the rank-local data-parallel
     # profile frees the logits at the loss. Measured: +2% over on tiny-llama under 1F1B and GPipe.
-    kept_logits = (int(in_flight * b * s * model.vocab_size * d) // (layout.tp if layout.loss_parallel else 1)
+    head_in_flight = 1 if layout.schedule in V_SCHEDULES else in_flight
+    kept_logits = (int(head_in_flight * b * s * model.vocab_size * d) // (layout.tp if layout.loss_parallel else 1)
                    if last and layout.pp > 1 else 0)
     # torch's DTensor TP of the vocab-parallel embedding (RowwiseParallel over the rows, replicated
     # ids) gives its weight a Replicate gradient of the full V x h (the embedding backward's sharding
@@ -288,13 +297,14 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
         if name in ("forward", "backward"):
             cats["activations"] += kept_logits
         if name in ("forward", "backward"):
+            alive, waiting, freed = split.get(name, (in_flight, 0, 0))
             if paper:
-                cats["activations"] = int(per_micro * in_flight)
+                cats["activations"] = int(per_micro * alive)
             else:
-                cats["activations"] = int(max(0, cats["activations"] - sp_saved) + per_micro * (in_flight - 1))
+                cats["activations"] = int(max(0, cats["activations"] - sp_saved) + per_micro * (alive - 1) - freed)
             moved = min(embedding_out, cats["activations"])
             cats["activations"] -= moved
-            cats["temporaries"] += ring + moved
+            cats["temporaries"] += ring + moved + waiting
         phases[name] = cats
     if last and layout.tp > 1 and not layout.loss_parallel and not paper:
         phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp,
@@ -315,6 +325,9 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                  Term(name="parallel.p2p_buffers", bytes=p2p, formula="m*(2v - first - last)*b*(s/cp)*h*d (/t under SP)",
                       inputs={"microbatches": layout.microbatches, "virtual": layout.virtual},
                       source="torch.distributed.pipelining stage.py: a receive buffer per micro-batch and chunk"),
+                 Term(name="parallel.weight_grad_inputs", bytes=split.get("backward", (0, 0))[1],
+                      formula="waiting chunk micro-batches x b*(s/cp)*(block op-output widths + head)*d",
+                      source="torch.distributed.pipelining _backward.py: stage_backward_input keeps them for W"),
                  Term(name="parallel.pp_kept_logits", bytes=kept_logits, formula="last stage: in_flight*b*(s/cp)*V*d",
                       inputs={"in_flight": in_flight}, source="torch.distributed.pipelining stage.py fwd_cache"),
                  Term(name="parallel.sp_sharded", bytes=sp_saved,
@@ -340,7 +353,7 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
     layout = resolve(plan)
     if model.derived:
         derived_parallel.check_layout(model, layout)
-    layers = stage_layers(model.num_layers, layout.pp, layout.virtual)
+    layers = stage_layers(model.num_layers, layout.pp, layout.virtual, layout.schedule)
     explain = options.pop("explain", False)
     seen: dict = {}
     local: dict = {}
@@ -354,7 +367,8 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
         if key not in local:
             if model.derived:  # the config a rank runs, derived and traced (estimate/derived_parallel.py)
                 rank_model = derived_parallel.local_model(model, layout.tp if tp is None else tp, layout.loss_parallel)
-                indices = derived_parallel.rank_layer_indices(model.num_layers, layout.pp, layout.virtual, stage)
+                indices = derived_parallel.rank_layer_indices(model.num_layers, layout.pp, layout.virtual, stage,
+                                                              layout.schedule)
                 rank_model = derived_parallel.stage_model(model, rank_model, indices, first, last)
                 if ep > 1:
                     rank_model = derived_parallel.expert_sharded(rank_model, ep)
@@ -371,9 +385,9 @@ def stage_estimates(plan, estimate_fn, **options) -> list[tuple[int, int, Estima
     out = []
     for stage, count in enumerate(layers):
         in_flight = in_flight_microbatches(layout, stage)
-        key = (count, stage == 0, stage == layout.pp - 1, in_flight)
-        if model.derived:
-            key += (stage,)
+        key = (count, *holds_edges(stage, layout.pp, layout.virtual, layout.schedule), in_flight)
+        if model.derived or layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+            key += (stage,)  # a zero-bubble rank's waiting micro-batches depend on its index too
         if key not in seen:
             seen[key] = _stage(plan, layout, partial(rank_estimate, stage=stage), stage, count, options, explain)
         out.append((stage, count, seen[key]))

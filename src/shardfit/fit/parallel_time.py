@@ -17,7 +17,8 @@ that rank-local plan, on the links its dp group really uses; on top come:
   backward, hidden behind the attention it feeds (Liu et al. 2023; torch context_parallel); only what
   exceeds the attention's time is exposed;
 - PP: the schedule's bubble, (p - 1) / v micro-batch times of the slowest stage (Narayanan et al.
-  2021: (p-1)/m of the step for 1F1B and GPipe, (p-1)/(v m) interleaved), plus the p2p activation /
+  2021: (p-1)/m of the step for 1F1B and GPipe, (p-1)/(v m) interleaved; a third of that under the
+  zero-bubble schedules: bubble_fraction), plus the p2p activation /
   gradient sends, whose pipeline fill (p - 1 hops) is exposed and the rest overlapped;
 - EP: a MoE layer's token dispatch and combine, an all-to-all each way in forward and backward, each
   b x (s/cp) x top_k x h x d x (ep-1)/ep per rank, exposed; the rank gathers and updates its experts / ep;
@@ -30,7 +31,8 @@ from dataclasses import replace
 from shardfit.estimate.model_parallel import local_model, local_plan
 from shardfit.fit import steptime
 from shardfit.spec.gpus import get_gpu
-from shardfit.spec.parallelism import resolve, stage_layers
+from shardfit.spec.parallelism import (MULTI_CHUNK_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, holds_edges, resolve,
+                                       stage_layers)
 from shardfit.spec.plan import Cluster, is_selective_ac, parse_activation_checkpointing
 
 # Fraction of TP collective time hidden behind compute. Eager Megatron-style TP runs each all-reduce
@@ -150,18 +152,25 @@ def base_overlap(gpu) -> float:
 
 
 def bubble_fraction(layout) -> float:
-    """The pipeline bubble as a fraction of the ideal step: (p - 1) / (v m) (Narayanan et al. 2021)."""
+    """The pipeline bubble as a fraction of the ideal step: (p - 1) / (v m) (Narayanan et al. 2021).
+    The zero-bubble schedules fill it with the deferred weight gradients: ZB-H1's bubble is
+    (p - 1)(T_F + T_B - T_W), a third of 1F1B's when forward, input-gradient and weight-gradient times
+    are equal (Qi et al. 2024, sec. 3), so (p - 1) / (3 v m) for torch's ZB1P over v chunks; ZB-V and
+    DualPipeV are only bubble-free when those three times are equal (torch's docstring), which real
+    blocks are not: counted as ZB1P over their two chunks. An assumption, not a measurement."""
     if layout.pp == 1:
         return 0.0
-    virtual = layout.virtual if layout.schedule == "interleaved" else 1
-    return (layout.pp - 1) / (virtual * layout.microbatches)
+    virtual = layout.virtual if layout.schedule in MULTI_CHUNK_SCHEDULES else 1
+    split = 3 if layout.schedule in SPLIT_BACKWARD_SCHEDULES else 1
+    return (layout.pp - 1) / (split * virtual * layout.microbatches)
 
 
 def parallel_step_time(plan, gpu):
     """Predicted seconds per optimizer step of the slowest rank of a tp x cp x pp plan."""
     layout = resolve(plan)
-    layers = stage_layers(plan.model.num_layers, layout.pp, layout.virtual)
-    keys = {(count, stage == 0, stage == layout.pp - 1) for stage, count in enumerate(layers)}
+    layers = stage_layers(plan.model.num_layers, layout.pp, layout.virtual, layout.schedule)
+    keys = {(count, *holds_edges(stage, layout.pp, layout.virtual, layout.schedule))
+            for stage, count in enumerate(layers)}
     worst, per_micro = None, 0.0
     for count, first, last in sorted(keys):
         st, micro_s = _stage_time(plan, layout, gpu, count, first, last)

@@ -22,7 +22,18 @@ from functools import cached_property
 
 from shardfit.errors import ShardfitError
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble", "zbv", "dualpipev")
+# torch.distributed.pipelining's classes (and torchtitan's names) for them.
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                   "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+# Schedules that run several chunks per rank (a list of stages), and those of them that place the
+# chunks in a V: rank r holds chunks r and 2p - 1 - r, so rank 0 holds the embedding and the head.
+MULTI_CHUNK_SCHEDULES = ("interleaved", "zero-bubble", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+# Zero-bubble schedules split each backward into the input gradient (B) and the weight gradient (W),
+# run later to fill the bubble; a micro-batch's saved activations live until its W.
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 # Strategies the model-parallel engines compose with: torch's DeviceMesh composes DDP and FSDP2
 # with TP / CP / PP (torchtitan, accelerate); DeepSpeed's pipeline engine takes ZeRO-1 at most and
 # its AutoTP training ZeRO-0..2.
@@ -42,8 +53,8 @@ class Parallelism:
     loss_parallel: bool = True
     cp: int = 1
     pp: int = 1
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
-    pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: 2 or more)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zero-bubble | zbv | dualpipev
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank (interleaved: 2 or more; zbv, dualpipev: 2)
     pp_microbatches: int = 0  # micro-batches per step through the pipeline; 0 = training.grad_accum
     ep: int = 1
 
@@ -129,20 +140,44 @@ def chunk_layers(num_layers: int, chunks: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> tuple[int, ...]:
-    """Layers held by each pipeline rank, summed over its `virtual` chunks (chunk_layers)."""
-    chunks = pp * virtual
-    sizes = chunk_layers(num_layers, chunks)
-    # Chunk k runs on rank k % pp (Megatron's and torch's interleaved placement).
-    return tuple(sum(sizes[k] for k in range(rank, chunks, pp)) for rank in range(pp))
+def rank_chunks(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> tuple[int, ...]:
+    """The chunks (of pp x virtual, in model order) pipeline rank `rank` runs: chunk k on rank k % pp
+    (Megatron's and torch's interleaved placement), or under a V schedule chunks rank and 2p - 1 - rank
+    (torch's generate_stage_to_rank_mapping style "v")."""
+    if schedule in V_SCHEDULES:
+        return (rank, 2 * pp - 1 - rank)
+    return tuple(range(rank, pp * virtual, pp))
+
+
+def chunk_rank(chunk: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> int:
+    """The pipeline rank that runs chunk `chunk` (rank_chunks' inverse)."""
+    if schedule in V_SCHEDULES:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
+    return chunk % pp
+
+
+def holds_edges(rank: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> tuple[bool, bool]:
+    """(holds the first chunk: the embedding, holds the last chunk: the final norm and the head)."""
+    chunks = rank_chunks(rank, pp, virtual, schedule)
+    return 0 in chunks, pp * virtual - 1 in chunks
+
+
+def stage_layers(num_layers: int, pp: int, virtual: int = 1, schedule: str = "1f1b") -> tuple[int, ...]:
+    """Layers held by each pipeline rank, summed over its chunks (chunk_layers, rank_chunks)."""
+    sizes = chunk_layers(num_layers, pp * virtual)
+    return tuple(sum(sizes[k] for k in rank_chunks(rank, pp, virtual, schedule)) for rank in range(pp))
 
 
 def in_flight_microbatches(layout: Layout, stage: int) -> float:
     """Micro-batches whose activations a pipeline rank holds at its peak, in units of one
-    micro-batch through all of that rank's layers. 1F1B: rank i holds min(m, p - i) (Narayanan et al.
-    2021); interleaved: its warm-up chunks ((p - i - 1)*2 + (v - 1)*p + 1) / v, which on the first
-    rank is p * (1 + (p - 1)/(p*v)) (Korthikanti et al. 2022 sec. 4.2.3; Megatron's
-    interleaved_schedule_memory_penalty); GPipe: all m."""
+    micro-batch through all of that rank's layers (a chunk's micro-batch counts 1 / v). 1F1B: rank i
+    holds min(m, p - i) (Narayanan et al. 2021); interleaved: its warm-up chunks
+    ((p - i - 1)*2 + (v - 1)*p + 1) / v, which on the first rank is p * (1 + (p - 1)/(p*v))
+    (Korthikanti et al. 2022 sec. 4.2.3; Megatron's interleaved_schedule_memory_penalty); GPipe: all m.
+    The zero-bubble schedules keep a micro-batch's activations until its weight gradient (W): the most
+    split_backward_points holds (ZB1P: min(m, p) on every rank, Qi et al. 2024's ZB-H1, 1F1B's
+    first-stage peak everywhere; ZB-V p; DualPipeV p + 1/2). Each equals the peak of torch's own action
+    lists (tests/spec/test_pipeline_schedules.py walks them)."""
     p, v, m = layout.pp, layout.virtual, layout.microbatches
     if p == 1:
         return 1.0
@@ -150,7 +185,34 @@ def in_flight_microbatches(layout: Layout, stage: int) -> float:
         return float(m)
     if layout.schedule == "interleaved":
         return min(((p - stage - 1) * 2 + (v - 1) * p + 1) / v, float(m))
+    if layout.schedule == "zero-bubble":
+        return float(min(m, p))
+    if layout.schedule in SPLIT_BACKWARD_SCHEDULES:
+        return max(alive for alive, _ in split_backward_points(layout, stage)) / v
     return float(min(m, p - stage))
+
+
+def split_backward_points(layout: Layout, stage: int, phase: str = "backward") -> tuple[tuple[int, int], ...]:
+    """Under a zero-bubble schedule, the instants that can set pipeline rank `stage`'s peak in `phase`
+    (forward or backward), as (chunk micro-batches whose activations are alive, how many of those wait
+    for their weight gradient): the frontier of torch's own action list for that rank (no instant of
+    the phase holds more of both). Backward: ZB1P every rank min(m, p) x v alive with min(i + 1, m v)
+    waiting; ZB-V (m >= 2p - 1) 2p alive with 1 waiting, or p + i alive with 2i + 1 waiting; DualPipeV
+    (m >= 2p) 2p + 1 alive with none waiting, 2p with 1 on all but the last rank, p with i + 1.
+    Forward: the most alive, with i - max(0, p - m) waiting under ZB1P and none under ZB-V and DualPipeV.
+    tests/spec/test_pipeline_schedules.py holds these equal to the walk of torch's lists."""
+    p, v, m, i = layout.pp, layout.virtual, layout.microbatches, stage
+    if layout.schedule == "zero-bubble":
+        if phase == "forward":  # the rank's first forwards run before any input gradient reaches it
+            return ((min(m, p) * v, max(0, i - max(0, p - m))),)
+        return ((min(m, p) * v, min(i + 1, m * v)),)
+    if layout.schedule == "zbv":
+        return ((2 * p, int(phase != "forward")),) + (((p + i, 2 * i + 1),) if i and phase != "forward" else ())
+    if layout.schedule == "dualpipev":
+        if phase == "forward":
+            return ((2 * p + 1, 0),)
+        return ((2 * p + 1, 0),) + (((2 * p, 1),) if i < p - 1 else ()) + (((p, i + 1),) if i else ())
+    return ()
 
 
 def validate_parallelism(plan) -> list[str]:
@@ -216,12 +278,28 @@ def validate_parallelism(plan) -> list[str]:
         bad(f"pp x virtual stages = {chunks} chunks but {m.name} has {m.num_layers} layers: use fewer stages")
     if par.pp_schedule == "interleaved" and par.pp_virtual_stages < 2 and par.pp > 1:
         bad("the interleaved schedule needs pp_virtual_stages >= 2 (model chunks per rank): set it, or use 1f1b")
-    if par.pp_schedule != "interleaved" and par.pp_virtual_stages > 1:
-        bad(f"pp_virtual_stages = {par.pp_virtual_stages} needs the interleaved schedule: set pp_schedule interleaved")
+    if par.pp_schedule in V_SCHEDULES and par.pp_virtual_stages != 2 and par.pp > 1:
+        bad(f"the {par.pp_schedule} schedule runs exactly 2 chunks per rank (a V): set pp_virtual_stages to 2")
+    if par.pp_schedule not in MULTI_CHUNK_SCHEDULES and par.pp_virtual_stages > 1:
+        bad(f"pp_virtual_stages = {par.pp_virtual_stages} needs a schedule with several chunks per rank: set "
+            f"pp_schedule to {', '.join(MULTI_CHUNK_SCHEDULES)}")
     micro = par.pp_microbatches or t.grad_accum
     if par.pp > 1 and par.pp_schedule == "interleaved" and micro % par.pp:
         bad(f"the interleaved schedule runs micro-batches in groups of pp: {micro} micro-batches must be a "
             f"multiple of pp = {par.pp} (set pp_microbatches or grad_accum)")
+    # torch's ZB1P runs max(1, m // p) rounds of equal size; with several chunks per rank shardfit also
+    # asks for whole groups of pp (the in-flight count above holds there; torch's own grows with m % p).
+    rounds = max(1, micro // par.pp)
+    if par.pp > 1 and par.pp_schedule == "zero-bubble" and (micro % rounds or (par.pp_virtual_stages > 1 and micro % par.pp)):
+        bad(f"the zero-bubble schedule runs micro-batches in rounds of pp: {micro} micro-batches on pp = {par.pp} "
+            f"must be a multiple of pp (set pp_microbatches or grad_accum)")
+    if par.pp > 1 and par.pp_schedule == "zbv" and micro < 2 * par.pp - 1:
+        bad(f"ZB-V fills its V with 2 x pp - 1 = {2 * par.pp - 1} micro-batches (torch pads fewer to that many "
+            f"slots and the estimate holds from there): {micro} micro-batches; set grad_accum (--grad-accum) or "
+            f"pp_microbatches to at least {2 * par.pp - 1}")
+    if par.pp > 1 and par.pp_schedule == "dualpipev" and micro < 2 * par.pp:
+        bad(f"DualPipeV runs at least as many micro-batches as chunks (2 x pp = {2 * par.pp}; torch refuses fewer): "
+            f"{micro} micro-batches; set grad_accum (--grad-accum) or pp_microbatches to at least {2 * par.pp}")
     if par.pp > 1 and par.pp_schedule == "1f1b" and micro < par.pp:
         bad(f"the 1F1B schedule runs at least as many micro-batches as stages (torch.distributed.pipelining's "
             f"Schedule1F1B refuses fewer): {micro} micro-batches on pp = {par.pp}; set grad_accum (--grad-accum) or "
@@ -230,7 +308,8 @@ def validate_parallelism(plan) -> list[str]:
         warnings.append(f"{micro} micro-batches on {par.pp} pipeline stages: the bubble is over half the step; "
                         f"use at least {par.pp} (pp_microbatches or grad_accum), ideally several times more")
     if m.num_layers % chunks and par.pp > 1:
-        warnings.append(f"{m.num_layers} layers on {chunks} chunks: split {stage_layers(m.num_layers, par.pp, par.pp_virtual_stages)} "
+        warnings.append(f"{m.num_layers} layers on {chunks} chunks: split "
+                        f"{stage_layers(m.num_layers, par.pp, par.pp_virtual_stages, par.pp_schedule)} "
                         "per rank, the extra layers on the middle stages")
     if par.ep > 1:
         if not m.num_experts:

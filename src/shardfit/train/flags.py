@@ -15,6 +15,7 @@ class TrainFlags:
     shard_group_size: int | None = None
     tp: int | None = None  # parallelism.tp: FSDP2 x TP on a 2-D (dp, tp) mesh
     pp: int | None = None  # parallelism.pp: the pipeline engine (engines/pipeline.py)
+    pp_schedule: str | None = None  # parallelism.pp_schedule (a V schedule: pp_virtual_stages 2)
     # Plan fields set from the command line (train/launch.py PLAN_FLAGS says where each goes).
     micro_batch: int | None = None
     seq: int | None = None
