@@ -76,24 +76,28 @@ def test_pipeline_and_data_parallel_formats_refuse_in_one_line():
 
 def test_launch_lines_need_your_script_and_carry_the_world(tmp_path):
     with pytest.raises(ShardfitError, match="--entry"):
-        emit(_tp_plan(), "torchrun")
+        emit(_tp_plan(cp=2), "torchrun")  # context parallel: `shardfit train` does not run it
     options = EmitOptions(entry="train.py")
-    run = emit(_tp_plan(), "torchrun", options)
+    run = emit(_tp_plan(cp=2), "torchrun", options)
     assert "--nnodes 8 --nproc-per-node 8" in run.main and run.main.rstrip().endswith("train.py")
-    assert any(n.startswith("layout dp_replicate=1 dp_shard=32 tp=2") for n in run.notes)
-    slurm = emit(_tp_plan(), "slurm", options).main
+    assert any(n.startswith("layout dp_replicate=1 dp_shard=16 tp=2+sp cp=2") for n in run.notes)
+    slurm = emit(_tp_plan(cp=2), "slurm", options).main
     assert "--nodes=8" in slurm.replace(" ", "") or "#SBATCH --nodes=8" in slurm
     assert "train.py" in slurm
 
 
 def test_launch_lines_run_shardfit_train_for_a_plan_it_trains():
-    """FSDP2 x TP without sequence parallel and with the gathered-logits head is what `shardfit train`
-    runs (its 4-rank test: tests/train/test_train_tensor_parallel.py): no --entry needed."""
-    plan = _tp_plan().with_changes(parallelism=Parallelism(tp=2, loss_parallel=False))
-    run = emit(plan, "torchrun")
-    assert "-m shardfit train" in run.main and "--nproc-per-node 8" in run.main
+    """FSDP2 x TP, with or without sequence parallel, with the gathered-logits head or the vocab-parallel
+    loss, is what `shardfit train` runs (its 4-rank test: tests/train/test_train_tensor_parallel.py): no
+    --entry needed; tp inside a pipeline stage gathers the logits."""
+    for parallelism in (Parallelism(tp=2, loss_parallel=False), Parallelism(tp=2)):
+        run = emit(_tp_plan().with_changes(parallelism=parallelism), "torchrun")
+        assert "-m shardfit train" in run.main and "--nproc-per-node 8" in run.main
+    staged = _tp_plan().with_changes(parallelism=Parallelism(tp=2, pp=2),
+                                     training={"micro_batch": 1, "grad_accum": 8, "seq_len": 4096,
+                                               "activation_checkpointing": "none", "precision": "bf16"})
     with pytest.raises(ShardfitError, match="loss_parallel false"):
-        emit(_tp_plan().with_changes(parallelism=Parallelism(tp=2)), "torchrun")
+        emit(staged, "torchrun")
 
 
 def test_data_parallel_plans_emit_as_before():

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
     ("fsdp2", Parallelism(tp=2, pp=2, sequence_parallel=True), "sequence parallel inside a pipeline are for plan"),
     ("zero2", Parallelism(pp=2), "pipeline-parallel training runs its stages under"),
     ("ddp", Parallelism(tp=2), "runs under fsdp2"),
-    ("fsdp2", Parallelism(tp=2), "loss_parallel false"),
+    ("fsdp2", Parallelism(tp=2, pp=2), "loss_parallel false"),  # the pipeline engine's stages gather the logits
 ])
 def test_train_refuses_layouts_it_does_not_run(tmp_path, strategy, parallelism, words):
     from shardfit.engines.base import DistContext

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.distributed.tensor.parallel import loss_parallel
 
 from shardfit.engines import quantized_state
 from shardfit.engines.chunked_loss import chunked_head, model_loss
 from shardfit.engines.base import DistContext, Engine, to_device
 from shardfit.engines.dcp_io import async_save_state, SafeMetadataReader, save_with_checksums
+from shardfit.engines.tensor_parallel import gathered_logits, vocab_parallel
 from shardfit.spec.plan import Plan
 
 
@@ -24,14 +26,18 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
     quantized = quantized_state.is_quantized(plan)
     grad_clip = plan.schedule.grad_clip
     head = chunked_head(model)  # None: the model's own loss
+    sharded_vocab = vocab_parallel(plan)
 
     def forward_backward(batch: dict, last: bool):
-        with sync(last):
+        # Under the vocab-parallel loss the logits stay sharded over tp and torch's loss_parallel runs the
+        # model's own cross-entropy on the shards, forward and backward; the loss is a replicated DTensor.
+        with sync(last), (loss_parallel() if sharded_vocab else nullcontext()):
             with (autocast() if autocast else nullcontext()):
                 loss = model_loss(model, to_device(batch, ctx.device), head)
             scaled = loss.float() / accum
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        return loss.detach().float()
+        loss = loss.detach().float()
+        return loss.to_local() if sharded_vocab else loss
 
     def step():
         if scaler is not None:
@@ -62,7 +68,8 @@ def build_engine(kind: str, plan: Plan, ctx: DistContext, model, module, optimiz
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad(), (autocast() if autocast else nullcontext()):
+            with torch.no_grad(), (autocast() if autocast else nullcontext()), \
+                    (gathered_logits(model) if sharded_vocab else nullcontext()):
                 yield model
         finally:
             model.train(was_training)

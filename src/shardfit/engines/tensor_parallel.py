@@ -5,12 +5,15 @@ accelerate's composition, FSDP2 x TP).
 The plan is the model's `_tp_plan` (transformers >= 5 merges the config's `base_model_tp_plan` under
 the base-model prefix with the head's own entry): "colwise" -> ColwiseParallel, "rowwise" ->
 RowwiseParallel, "embedding_rowwise" -> RowwiseParallel over the vocabulary (input replicated),
-"colwise_gather_output" -> ColwiseParallel with the logits gathered. Attention reshapes with -1
-heads, so each rank runs heads / tp of them unchanged.
+"colwise_gather_output" -> ColwiseParallel with the logits gathered, or, under the plan's vocab-parallel
+loss (parallelism.loss_parallel), left sharded over the vocabulary into torch's loss_parallel
+cross-entropy. Attention reshapes with -1 heads, so each rank runs heads / tp of them unchanged.
 Ranks are laid out tp-innermost (torchtitan's order): ranks r and r+1 share a TP group inside a
 node, and `data_rank` says which batch a rank must read (the same within a TP group).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -58,9 +61,9 @@ def apply(plan, model, ctx):
     if par.cp > 1 or par.pp > 1 or par.ep > 1:
         raise ShardfitError("the FSDP2 engine runs tp (with or without sequence parallel) and dp only so far: cp, pp "
                             "and ep are plan / estimate only here (issue 14)")
-    if par.loss_parallel:
-        raise ShardfitError("the engine runs the model's own transformers TP plan, whose lm_head gathers the logits: "
-                            "set parallelism.loss_parallel false (--no-loss-parallel)")
+    if par.loss_parallel and plan.training.loss == "chunked":
+        raise ShardfitError("the chunked loss computes its own head in chunks, which the vocab-parallel loss cannot "
+                            "shard: set parallelism.loss_parallel false (--no-loss-parallel) or training.loss standard")
     tp = par.tp
     if ctx.world_size % tp:
         raise ShardfitError(f"tp = {tp} does not divide the {ctx.world_size} ranks: choose a divisor")
@@ -68,12 +71,41 @@ def apply(plan, model, ctx):
     wanted = model_tp_plan(model)
     if par.sequence_parallel:
         sequence_parallel.check(model, wanted)
-    parallelize(model, mesh["tp"], wanted, type(model).__name__,
-                sequence_parallel.sp_styles() if par.sequence_parallel else None)
+    styles = sequence_parallel.sp_styles() if par.sequence_parallel else _styles()
+    if par.loss_parallel:
+        styles["colwise_gather_output"] = lambda: _vocab_parallel_head(par.sequence_parallel)
+    parallelize(model, mesh["tp"], wanted, type(model).__name__, styles)
     if par.sequence_parallel:
         sequence_parallel.shard_between_regions(model, mesh["tp"], wanted)
     _retie(model)
     return mesh["dp"]
+
+
+def _vocab_parallel_head(sequence_parallel: bool):
+    """The head with its logits left sharded over the vocabulary (a DTensor, Shard(-1)): the model's own
+    loss then runs under torch's `loss_parallel()` (engines/native.py), a vocab-parallel cross-entropy
+    that never gathers the V-wide logits (torchtitan's and Megatron's)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
+                           use_local_output=False)
+
+
+def vocab_parallel(plan) -> bool:
+    """Whether the engine's head leaves the logits vocab-sharded (the loss runs under loss_parallel)."""
+    return plan.parallelism.tp > 1 and plan.parallelism.loss_parallel
+
+
+@contextmanager
+def gathered_logits(model):
+    """The head's vocab-sharded logits gathered whole while inside (held-out loss, generation)."""
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, out: out.full_tensor() if hasattr(out, "full_tensor") else out)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 # transformers' own styles that need no torch ParallelStyle: hooks on a module whose parameters stay

@@ -249,6 +249,16 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # Partial -> Replicate) is held by the functional collective's wrapper, which the tracker sees as
     # a temporary although block 0 saves it.
     embedding_out = b * s * model.hidden_size * res if first and layout.tp > 1 and not paper else 0
+    # torch's loss_parallel (what the engines run under parallelism.loss_parallel) computes the log-softmax
+    # of the V/tp logits shard in steps, the max and the sum of exponentials all-reduced over tp: the
+    # shifted shard (fp32) lives beside the exponentials and the result, one shard more than a fused
+    # log-softmax, at the loss and again in its backward. Measured (FSDP2 x TP, 4 CPU ranks, tiny-llama):
+    # forward temporaries +83,472 B over the rank-local loss in fp32 and bf16, one shard being 81,920.
+    # Under per-op selective checkpointing the backward peaks in the top block's recompute, after the
+    # loss's backward (measured: +8.1% with the shard there, +3.9% without).
+    vocab_scratch = (b * s * _ceil_div(model.vocab_size, layout.tp) * 4
+                     if last and layout.tp > 1 and layout.loss_parallel and not paper else 0)
+    scratch_phases = ("forward",) if is_selective_ac(t.activation_checkpointing) else ("forward", "backward")
     # FSDP2 under a pipeline: torch.distributed.pipelining skips resharding after backward and the
     # gradient reduce-scatter on every micro-batch but the last (stage.py, backward_maybe_with_nosync),
     # so the stage's unsharded gradients live from the first backward to the step. FSDP2 accumulates
@@ -304,7 +314,7 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                 cats["activations"] = int(max(0, cats["activations"] - sp_saved) + per_micro * (alive - 1) - freed)
             moved = min(embedding_out, cats["activations"])
             cats["activations"] -= moved
-            cats["temporaries"] += ring + moved + waiting
+            cats["temporaries"] += ring + moved + waiting + (vocab_scratch if name in scratch_phases else 0)
         phases[name] = cats
     if last and layout.tp > 1 and not layout.loss_parallel and not paper:
         phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp,
@@ -325,6 +335,8 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
                  Term(name="parallel.p2p_buffers", bytes=p2p, formula="m*(2v - first - last)*b*(s/cp)*h*d (/t under SP)",
                       inputs={"microbatches": layout.microbatches, "virtual": layout.virtual},
                       source="torch.distributed.pipelining stage.py: a receive buffer per micro-batch and chunk"),
+                 Term(name="parallel.loss_parallel_scratch", bytes=vocab_scratch, formula="last stage: b*(s/cp)*(V/t)*4",
+                      source="torch.distributed.tensor.parallel loss_parallel: the log-softmax in steps over the shard"),
                  Term(name="parallel.weight_grad_inputs", bytes=split.get("backward", (0, 0))[1],
                       formula="waiting chunk micro-batches x b*(s/cp)*(block op-output widths + head)*d",
                       source="torch.distributed.pipelining _backward.py: stage_backward_input keeps them for W"),

@@ -41,7 +41,8 @@ def engine_support_error(plan) -> str | None:
 
 def train_layout_error(plan) -> str | None:
     """What `shardfit train`'s loop cannot run: it runs data parallelism under every engine, tp under
-    FSDP2 (a 2-D (dp, tp) mesh with the model's own TP plan, whose head gathers the logits) and pp
+    FSDP2 (a 2-D (dp, tp) mesh with the model's own TP plan; its head's logits stay vocab-sharded into
+    torch's loss_parallel, or are gathered with loss_parallel false) and pp
     through the pipeline engine (engines/pipeline.py: its stages under single, DDP or FSDP2, tp inside)."""
     par = plan.parallelism
     if par.cp > 1 or par.ep > 1 or (par.sequence_parallel and par.pp > 1):
@@ -57,7 +58,10 @@ def train_layout_error(plan) -> str | None:
     if par.tp > 1 and par.pp == 1 and plan.strategy.kind != "fsdp2":
         return (f"tensor-parallel training runs under fsdp2 (FSDP2 x TP on a 2-D mesh), not {plan.strategy.label}: "
                 "use --strategy fsdp2, or --tp 1")
-    if par.tp > 1 and par.loss_parallel:
-        return ("the engine runs the model's own transformers TP plan, whose lm_head gathers the logits: set "
-                "parallelism.loss_parallel false")
+    if par.tp > 1 and par.pp > 1 and par.loss_parallel:
+        return ("the pipeline engine runs the model's own transformers TP plan inside a stage, whose lm_head gathers "
+                "the logits: set parallelism.loss_parallel false")
+    if par.tp > 1 and par.loss_parallel and t.loss == "chunked":
+        return ("the chunked loss computes its own head in chunks, which the vocab-parallel loss cannot shard: set "
+                "parallelism.loss_parallel false or training.loss standard")
     return None

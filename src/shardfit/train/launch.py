@@ -80,8 +80,9 @@ def plan_data(flags: TrainFlags) -> dict:
     if flags.shard_group_size:
         data["strategy"]["shard_group_size"] = flags.shard_group_size
     if flags.tp is not None:
-        # The engine runs the model's own TP plan, whose head gathers the logits (no vocab-parallel loss).
-        data["parallelism"] = {"loss_parallel": False, **dict(data.get("parallelism") or {}), "tp": flags.tp}
+        # The model's own TP plan with the plan's vocab-parallel loss (its default: the logits stay sharded
+        # into torch's loss_parallel), unless the plan file says otherwise.
+        data["parallelism"] = {**dict(data.get("parallelism") or {}), "tp": flags.tp}
     if flags.pp is not None:
         data["parallelism"] = {"loss_parallel": False, **dict(data.get("parallelism") or {}), "pp": flags.pp}
     if flags.pp_schedule is not None:
@@ -102,6 +103,9 @@ def plan_data(flags: TrainFlags) -> dict:
             data[section][key] = value
     # --loss / --optimizer-impl (commands/kernel_flags.py)
     data["training"].update(kernel_fields(flags.loss, flags.optimizer_impl))
+    if data["training"].get("loss") == "chunked" and flags.tp is not None:
+        # The chunked loss computes its own head in chunks, which the vocab-parallel loss cannot shard.
+        data["parallelism"]["loss_parallel"] = False
     # The LoRA flags (commands/lora_flags.py): any of them turns LoRA on; rank 16 when not given.
     lora = lora_section(data["training"].get("lora"), *(getattr(flags, name)
                                                          for name in ("lora_r", "lora_targets", "lora_base")), "fp32")
