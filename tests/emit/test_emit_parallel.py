@@ -106,14 +106,14 @@ def test_data_parallel_plans_emit_as_before():
     assert "parallelism_config" not in config
 
 
-def _tiny_fsdp2_plan(tp: int, ranks: int) -> Plan:
+def _tiny_fsdp2_plan(tp: int, ranks: int, loss_parallel: bool = False) -> Plan:
     from shardfit.spec.plan import Cluster, Schedule, Training
 
     return Plan(model=load_model_spec("tiny-llama"), strategy=Strategy(kind="fsdp2"),
                 training=Training(micro_batch=2, grad_accum=2, seq_len=32, precision="fp32", activation_checkpointing="full"),
                 cluster=Cluster(nodes=1, gpus_per_node=ranks, gpu="custom:1"),
                 schedule=Schedule(steps=4, log_every=1, save_every=2),
-                parallelism=Parallelism(tp=tp, loss_parallel=False) if tp > 1 else Parallelism())
+                parallelism=Parallelism(tp=tp, loss_parallel=loss_parallel) if tp > 1 else Parallelism())
 
 
 def _step_losses(stdout: str) -> dict[int, float]:
@@ -147,6 +147,15 @@ def test_emitted_fsdp2_tp_script_trains_on_4_cpu_ranks_and_resumes_on_another_me
     assert set(checksums) == {0, 1, 2, 3}
     assert (tmp_path / "out" / "checkpoints" / "step-2" / ".metadata").is_file()  # DCP, of the 2-D mesh
     assert list((tmp_path / "out" / "export").glob("*.safetensors"))  # and the gathered export
+
+    # The plan's default vocab-parallel loss (torch's loss_parallel on the sharded logits): the same losses.
+    vocab = tmp_path / "vocab"
+    vocab.mkdir()
+    (vocab / "train_fsdp2.py").write_text(emit(_tiny_fsdp2_plan(tp=2, ranks=4, loss_parallel=True), "fsdp2").main)
+    assert "LOSS_PARALLEL = True" in (vocab / "train_fsdp2.py").read_text()
+    sharded = torchrun([str(vocab / "train_fsdp2.py")], nproc=4, timeout=240, cwd=vocab,
+                       env=test_env(STEPS="4", SAVE_EVERY="0", EXPORT_DIR=""))
+    assert _step_losses(sharded.stdout) == {step: pytest.approx(loss, abs=2e-4) for step, loss in losses.items()}
 
     resume = tmp_path / "resume"
     shutil.copytree(tmp_path / "out" / "checkpoints" / "step-2", resume / "checkpoints" / "step-2")

@@ -21,6 +21,7 @@ from shardfit.emit.common import (
 )
 from shardfit.emit.data_code import DATA_CODE
 from shardfit.emit.fsdp_state import STATE_CODE
+from shardfit.emit.fsdp_tp import TP_CODE
 from shardfit.emit.kernels import script_fields
 from shardfit.emit.optimizer_code import optimizer_code
 from shardfit.errors import ShardfitError
@@ -76,6 +77,7 @@ _HEADER = '''    """{kind} training script written by `shardfit emit --format {f
     AC_EVERY = {ac_every}  # checkpoint every N-th block; 0 = off
     SHARD_GROUP = {group}  # ranks per shard group (hybrid sharding across nodes); None = all ranks
     TP = {tp}  # tensor-parallel ranks (inside a node): FSDP2 shards over the other world // TP; 1 = off
+    LOSS_PARALLEL = {loss_parallel}  # under TP: a vocab-parallel loss instead of gathered logits
     COMPUTE_DTYPE = {dtype}  # None = fp32
     PURE_BF16 = {pure}  # bf16 weights, gradients and optimizer states (no fp32 master, no MixedPrecision)
 ''' + RUN_IO + '''    # Gradient sync on the last micro-batch only: one reduce-scatter per optimizer step instead of one per
@@ -139,43 +141,11 @@ _FSDP2 = '''
             grad.mul_(coef)
 
 
-    def tensor_parallel(model, tp_mesh):
-        # The model's own transformers TP plan (config.base_model_tp_plan, merged with the head's entry into
-        # model._tp_plan): q/k/v and gate/up colwise, o/down rowwise, the embedding vocab-sharded, the head
-        # colwise with the logits gathered. Attention reshapes with -1 heads, so each rank runs heads / TP.
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
-        styles = {{"colwise": lambda: ColwiseParallel(), "rowwise": lambda: RowwiseParallel(),
-                   "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-                   "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate())}}
-        plan = dict(getattr(model, "_tp_plan", None) or {{}})
-        # Hooks on parameters kept whole (transformers' own layer classes): Qwen3's per-head q_norm /
-        # k_norm see this rank's heads only, so their gradients are all-reduced over tp; MLA's kv_a_proj
-        # output has a rotary part whose gradient is too.
-        hooks = ("replicated_with_grad_allreduce", "mla_kv_a_proj")
-        parallelize_module(model, tp_mesh, {{path: styles[style]() for path, style in plan.items() if style not in hooks}})
-        if any(style in hooks for style in plan.values()):
-            import fnmatch
-
-            from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
-            config = model.config.get_text_config()
-            for name, module in model.named_modules():
-                for path, style in plan.items():
-                    if style in hooks and fnmatch.fnmatchcase(name, path) and name.count(".") == path.count("."):
-                        ALL_PARALLEL_STYLES[style].install_forward(module, tp_mesh, config=config)
-        # parallelize_module gives the embedding and the head new parameters each: a tied head takes the
-        # embedding's back (both are vocab-sharded the same way).
-        inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-        if TIED and outputs is not None and outputs.weight is not inputs.weight:
-            outputs.weight = inputs.weight
-
-
-    def sync_gradients(model, last):
+''' + TP_CODE + '''    def sync_gradients(model, last):
         model.set_requires_gradient_sync(last or not NO_SYNC)
+        if TP > 1 and LOSS_PARALLEL:  # the loss and its backward on the vocab-sharded logits
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
         return contextlib.nullcontext()
 '''
 
@@ -268,7 +238,7 @@ _MAIN = '''
                 with sync_gradients(model, last=micro == GRAD_ACCUM - 1):
                     {loss_line}
                     {backward}
-                total += loss.item()
+                total += (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).item()
             {step_code}
             optimizer.zero_grad(set_to_none=True)
             if rank == 0 and (step % LOG_EVERY == 0 or step == STEPS - 1):
@@ -314,6 +284,7 @@ def fsdp_script(plan: Plan, version: int, options: EmitOptions | None = None) ->
     fields = dict(run_fields(plan, options, config, lora), kind="FSDP1" if version == 1 else "FSDP2",
                   fmt="fsdp" if version == 1 else "fsdp2", group=group, dtype=_DTYPES[t.precision],
                   pure=t.precision == "bf16-pure", tp=plan.parallelism.tp,
+                  loss_parallel=plan.parallelism.tp > 1 and plan.parallelism.loss_parallel,
                   no_sync_cost=f"{plan.model.n_params * _GRAD_BYTES[t.precision] / 2**30:.2f} GiB")
     if version == 2:
         offload = bool(s.offload_params)
@@ -395,8 +366,9 @@ def emit_fsdp(plan: Plan, options: EmitOptions, version: int = 1) -> Emitted:
         if plan.strategy.kind != "fsdp2" or plan.training.loss == "chunked" or plan.training.lora is not None:
             raise ShardfitError("the FSDP2 x TP script runs strategy fsdp2 with the standard loss and no LoRA: "
                                 "change the plan, or use --format accelerate")
-        notes.append(f"tp={plan.parallelism.tp}: the script runs the model's own transformers TP plan (gathered logits, "
-                     "no sequence parallel): memory as `shardfit plan ... --tp N --no-loss-parallel` without --sp")
+        head = "a vocab-parallel loss" if plan.parallelism.loss_parallel else "gathered logits"
+        notes.append(f"tp={plan.parallelism.tp}: the script runs the model's own transformers TP plan ({head}, no "
+                     "sequence parallel): memory as `shardfit plan ... --tp N` without --sp")
     if plan.strategy.kind == "zero3":
         from dataclasses import replace
         offload = "cpu" if plan.strategy.offload_params else None
