@@ -89,15 +89,16 @@ def test_launch_lines_need_your_script_and_carry_the_world(tmp_path):
 def test_launch_lines_run_shardfit_train_for_a_plan_it_trains():
     """FSDP2 x TP, with or without sequence parallel, with the gathered-logits head or the vocab-parallel
     loss, is what `shardfit train` runs (its 4-rank test: tests/train/test_train_tensor_parallel.py): no
-    --entry needed; tp inside a pipeline stage gathers the logits."""
+    --entry needed; inside a pipeline stage too, but without sequence parallel."""
     for parallelism in (Parallelism(tp=2, loss_parallel=False), Parallelism(tp=2)):
         run = emit(_tp_plan().with_changes(parallelism=parallelism), "torchrun")
         assert "-m shardfit train" in run.main and "--nproc-per-node 8" in run.main
     staged = _tp_plan().with_changes(parallelism=Parallelism(tp=2, pp=2),
                                      training={"micro_batch": 1, "grad_accum": 8, "seq_len": 4096,
                                                "activation_checkpointing": "none", "precision": "bf16"})
-    with pytest.raises(ShardfitError, match="loss_parallel false"):
-        emit(staged, "torchrun")
+    assert "-m shardfit train" in emit(staged, "torchrun").main  # the pipeline engine's stages run it too
+    with pytest.raises(ShardfitError, match="sequence parallel inside a pipeline"):
+        emit(staged.with_changes(parallelism=Parallelism(tp=2, pp=2, sequence_parallel=True)), "torchrun")
 
 
 def test_data_parallel_plans_emit_as_before():

@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
     ("fsdp2", Parallelism(tp=2, pp=2, sequence_parallel=True), "sequence parallel inside a pipeline are for plan"),
     ("zero2", Parallelism(pp=2), "pipeline-parallel training runs its stages under"),
     ("ddp", Parallelism(tp=2), "runs under fsdp2"),
-    ("fsdp2", Parallelism(tp=2, pp=2), "loss_parallel false"),  # the pipeline engine's stages gather the logits
 ])
 def test_train_refuses_layouts_it_does_not_run(tmp_path, strategy, parallelism, words):
     from shardfit.engines.base import DistContext
@@ -39,8 +38,12 @@ def test_pipeline_engine_refuses_what_it_does_not_run_in_one_line():
     plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
                 cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(tp=2, pp=2))
     ctx = DistContext(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    with pytest.raises(ShardfitError, match="loss_parallel false") as info:
-        check(plan, model, ctx)  # tp inside a stage runs the model's own TP plan: gathered logits
+    check(plan, model, ctx)  # tp inside a stage with the vocab-parallel loss: runs (tests/engines/test_pipeline.py)
+    plan = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
+                cluster=Cluster(nodes=1, gpus_per_node=4),
+                parallelism=Parallelism(tp=2, pp=2, sequence_parallel=True))
+    with pytest.raises(ShardfitError, match="no sequence parallel") as info:
+        check(plan, model, ctx)
     assert "\n" not in str(info.value)
     ring = Plan(model=load_model_spec("tiny-llama"), strategy=parse_strategy("fsdp2"),
                 cluster=Cluster(nodes=1, gpus_per_node=4), parallelism=Parallelism(cp=2, pp=2))

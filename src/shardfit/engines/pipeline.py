@@ -13,8 +13,10 @@ extra tensor crosses the stage boundary: only the hidden states, which is what t
 buffers count). Inside a stage (world = pp x dp x tp, pp outermost, tp innermost: torchtitan's
 order): tensor parallel over the stage's tp ranks with the model's own transformers TP plan (its paths
 taken relative to the stage), then DDP or FSDP2 over its dp ranks (FSDP2 when tp > 1 too). Each tp
-rank sends its (replicated) hidden states to the same tp rank of the next stage. No context or expert
-parallel inside a stage yet.
+rank sends its (replicated) hidden states to the same tp rank of the next stage. Under the plan's
+loss_parallel the last stage's head leaves its logits vocab-sharded and the schedule's loss and its
+backward run under torch's loss_parallel. No context or expert parallel, nor sequence parallel, inside
+a stage yet.
 
 forward_backward(batch, last) collects micro-batches until `last`, then runs the whole schedule once
 (forward and backward of all of them): the plan's pp_microbatches are its grad_accum micro-batches.
@@ -25,6 +27,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from shardfit.engines import base, pipeline_state
 from shardfit.engines import tensor_parallel as tpar
@@ -99,10 +102,10 @@ def check(plan, model, ctx) -> None:
     if dp > 1 and par.tp > 1 and plan.strategy.kind != "fsdp2":
         raise ShardfitError("data parallel over tensor-parallel stages runs under fsdp2 (FSDP2 x TP, torchtitan's "
                             f"composition), not {plan.strategy.label}: use --strategy fsdp2")
-    if par.tp > 1 and (par.sequence_parallel or par.loss_parallel):
+    if par.tp > 1 and par.sequence_parallel:
         raise ShardfitError("tensor parallel inside a pipeline stage runs the model's own transformers TP plan "
-                            "(no sequence parallel; its lm_head gathers the logits): set parallelism.sequence_parallel "
-                            "and parallelism.loss_parallel false")
+                            "(no sequence parallel: the stages send whole hidden states): set "
+                            "parallelism.sequence_parallel false")
     if plan.training.precision not in ("fp32", "bf16"):
         raise ShardfitError(f"the pipeline engine runs fp32 and bf16 (autocast / FSDP2 mixed precision), not "
                             f"{plan.training.precision}: use --precision bf16")
@@ -151,9 +154,10 @@ def _drop_other_stages(model, modules) -> None:
                 setattr(sub, name, torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
 
 
-def _tensor_parallel(model, module, tp_mesh) -> None:
+def _tensor_parallel(model, module, tp_mesh, loss_parallel: bool = False) -> None:
     """The model's transformers TP plan on this stage's part of it: each path taken relative to the
-    stage (the base model's prefix dropped), and only those that name a module the stage holds."""
+    stage (the base model's prefix dropped), and only those that name a module the stage holds; under
+    loss_parallel the head leaves its logits vocab-sharded (tensor_parallel.tp_styles)."""
     from fnmatch import fnmatchcase
 
     prefix = model.base_model_prefix + "."
@@ -163,7 +167,8 @@ def _tensor_parallel(model, module, tp_mesh) -> None:
         local = path[len(prefix):] if path.startswith(prefix) else path
         if any(len(n.split(".")) == len(local.split(".")) and fnmatchcase(n, local) for n in names):
             wanted[local] = style
-    tpar.parallelize(module, tp_mesh, wanted, type(model).__name__)
+    styles = tpar.tp_styles(vocab_sharded=loss_parallel)
+    tpar.parallelize(module, tp_mesh, wanted, type(model).__name__, styles)
 
 
 def _data_parallel(plan, module, mesh):
@@ -207,7 +212,7 @@ def setup(plan, model, ctx) -> base.Engine:
     for module in modules:
         module.to(ctx.device)
         if tp > 1:
-            _tensor_parallel(model, module, mesh["tp"])
+            _tensor_parallel(model, module, mesh["tp"], layout.loss_parallel)
     wrapped = [_data_parallel(plan, module, mesh["dp"]) if dp > 1 else module for module in modules]
     pp_group = mesh["pp"].get_group()
     pipeline_stages = [pipelining.PipelineStage(w, k, chunks, ctx.device, group=pp_group) for w, k in zip(wrapped, mine)]
@@ -225,6 +230,7 @@ def setup(plan, model, ctx) -> base.Engine:
     # "can't steal_bwd_input if this stage doesn't have backward"): the held-out loss runs their own
     # forward actions only (_forward_only).
     split_backward = layout.schedule in SPLIT_BACKWARD_SCHEDULES
+    vocab_sharded = tp > 1 and layout.loss_parallel
     # FSDP2's sharded parameters where it wrapped a chunk
     params = [p for module in modules for p in base.trainable_params(module)]
     module = modules[0] if len(modules) == 1 else torch.nn.ModuleList(modules)
@@ -255,12 +261,16 @@ def setup(plan, model, ctx) -> base.Engine:
         return_outputs=False: otherwise the last stage keeps every micro-batch's logits (m*b*s*V*d)
         until the next step, only to hand them back merged."""
         losses: list = []
-        if is_first:
-            run(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
-        elif is_last:
-            run(target=labels, losses=losses, return_outputs=False)
-        else:
-            run(return_outputs=False)
+        # Under the vocab-parallel loss the last stage's logits are vocab-sharded DTensors: the schedule's
+        # loss and its backward run under torch's loss_parallel; each loss is a replicated DTensor.
+        with loss_parallel() if vocab_sharded else nullcontext():
+            if is_first:
+                run(ids, target=labels if is_last else None, losses=losses, return_outputs=False)
+            elif is_last:
+                run(target=labels, losses=losses, return_outputs=False)
+            else:
+                run(return_outputs=False)
+        losses = [x.to_local() if hasattr(x, "to_local") else x for x in losses]
         return torch.stack([x.detach().float() for x in losses]).sum() if is_last else torch.zeros(())
 
     def eval_loss(batches: list[dict]) -> torch.Tensor:

@@ -71,14 +71,21 @@ def apply(plan, model, ctx):
     wanted = model_tp_plan(model)
     if par.sequence_parallel:
         sequence_parallel.check(model, wanted)
-    styles = sequence_parallel.sp_styles() if par.sequence_parallel else _styles()
-    if par.loss_parallel:
-        styles["colwise_gather_output"] = lambda: _vocab_parallel_head(par.sequence_parallel)
-    parallelize(model, mesh["tp"], wanted, type(model).__name__, styles)
+    parallelize(model, mesh["tp"], wanted, type(model).__name__, tp_styles(par.sequence_parallel, par.loss_parallel))
     if par.sequence_parallel:
         sequence_parallel.shard_between_regions(model, mesh["tp"], wanted)
     _retie(model)
     return mesh["dp"]
+
+
+def tp_styles(sp: bool = False, vocab_sharded: bool = False) -> dict:
+    """The torch style of each transformers style name: activations replicated between the TP regions
+    or sequence-sharded (sp: engines/sequence_parallel.py); the head's logits gathered or vocab-sharded
+    (the plan's loss_parallel)."""
+    styles = sequence_parallel.sp_styles() if sp else _styles()
+    if vocab_sharded:
+        styles["colwise_gather_output"] = lambda: _vocab_parallel_head(sp)
+    return styles
 
 
 def _vocab_parallel_head(sequence_parallel: bool):

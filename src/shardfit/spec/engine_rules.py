@@ -58,9 +58,6 @@ def train_layout_error(plan) -> str | None:
     if par.tp > 1 and par.pp == 1 and plan.strategy.kind != "fsdp2":
         return (f"tensor-parallel training runs under fsdp2 (FSDP2 x TP on a 2-D mesh), not {plan.strategy.label}: "
                 "use --strategy fsdp2, or --tp 1")
-    if par.tp > 1 and par.pp > 1 and par.loss_parallel:
-        return ("the pipeline engine runs the model's own transformers TP plan inside a stage, whose lm_head gathers "
-                "the logits: set parallelism.loss_parallel false")
     if par.tp > 1 and par.loss_parallel and t.loss == "chunked":
         return ("the chunked loss computes its own head in chunks, which the vocab-parallel loss cannot shard: set "
                 "parallelism.loss_parallel false or training.loss standard")

@@ -84,7 +84,7 @@ def plan_data(flags: TrainFlags) -> dict:
         # into torch's loss_parallel), unless the plan file says otherwise.
         data["parallelism"] = {**dict(data.get("parallelism") or {}), "tp": flags.tp}
     if flags.pp is not None:
-        data["parallelism"] = {"loss_parallel": False, **dict(data.get("parallelism") or {}), "pp": flags.pp}
+        data["parallelism"] = {**dict(data.get("parallelism") or {}), "pp": flags.pp}
     if flags.pp_schedule is not None:
         schedule = flags.pp_schedule.strip().lower()
         chunks = {"pp_virtual_stages": 2} if schedule in V_SCHEDULES else {}
