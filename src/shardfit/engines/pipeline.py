@@ -13,10 +13,11 @@ extra tensor crosses the stage boundary: only the hidden states, which is what t
 buffers count). Inside a stage (world = pp x dp x tp, pp outermost, tp innermost: torchtitan's
 order): tensor parallel over the stage's tp ranks with the model's own transformers TP plan (its paths
 taken relative to the stage), then DDP or FSDP2 over its dp ranks (FSDP2 when tp > 1 too). Each tp
-rank sends its (replicated) hidden states to the same tp rank of the next stage. Under the plan's
+rank sends its hidden states (replicated, or its sequence shard) to the same tp rank of the next stage. Under the plan's
 loss_parallel the last stage's head leaves its logits vocab-sharded and the schedule's loss and its
-backward run under torch's loss_parallel. No context or expert parallel, nor sequence parallel, inside
-a stage yet.
+backward run under torch's loss_parallel. Under sequence parallel a stage receives and sends its tp
+rank's sequence shard of the hidden states (the estimator's p2p buffers / tp), a Shard(1) DTensor inside
+the stage. No context or expert parallel inside a stage yet.
 
 forward_backward(batch, last) collects micro-batches until `last`, then runs the whole schedule once
 (forward and backward of all of them): the plan's pp_microbatches are its grad_accum micro-batches.
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from shardfit.engines import base, pipeline_state
+from shardfit.engines import base, pipeline_state, sequence_parallel
 from shardfit.engines import tensor_parallel as tpar
 from shardfit.engines.native import dcp_checkpoint
 from shardfit.errors import ShardfitError
@@ -55,6 +56,8 @@ class StageModule(torch.nn.Module):
         self.rotary_emb = body.rotary_emb
         self.norm = body.norm if is_last else None
         self.lm_head = inner.lm_head if is_last else None
+        self.sequence_mesh = None  # the tp mesh under sequence parallel (set by _tensor_parallel)
+        self.split_backward = False  # under a zero-bubble schedule (set by setup)
 
     def forward(self, hidden):
         with self._autocast():
@@ -65,6 +68,12 @@ class StageModule(torch.nn.Module):
 
         if self.embed_tokens is not None:
             hidden = self.embed_tokens(hidden)
+        elif self.sequence_mesh is not None:
+            # Sequence parallel: a stage receives this tp rank's sequence shard and sends its own (the
+            # residual stream between the TP regions is a Shard(1) DTensor inside the stage).
+            from torch.distributed.tensor import DTensor, Shard
+
+            hidden = DTensor.from_local(hidden, self.sequence_mesh, [Shard(1)])
         positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                   position_ids=positions)
@@ -72,8 +81,12 @@ class StageModule(torch.nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
         if self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))
-        return hidden
+            return self.lm_head(self.norm(hidden))
+        if self.sequence_mesh is None:
+            return hidden
+        # NOTE: to_local() is a view, and the zero-bubble schedules detach a stage's output in place after its
+        # input gradient ("Can't detach views in-place"): there the stage sends a copy.
+        return hidden.to_local().clone() if self.split_backward else hidden.to_local()
 
 
 def stack_microbatches(batches: list[dict], seq_len: int, device) -> tuple:
@@ -102,10 +115,6 @@ def check(plan, model, ctx) -> None:
     if dp > 1 and par.tp > 1 and plan.strategy.kind != "fsdp2":
         raise ShardfitError("data parallel over tensor-parallel stages runs under fsdp2 (FSDP2 x TP, torchtitan's "
                             f"composition), not {plan.strategy.label}: use --strategy fsdp2")
-    if par.tp > 1 and par.sequence_parallel:
-        raise ShardfitError("tensor parallel inside a pipeline stage runs the model's own transformers TP plan "
-                            "(no sequence parallel: the stages send whole hidden states): set "
-                            "parallelism.sequence_parallel false")
     if plan.training.precision not in ("fp32", "bf16"):
         raise ShardfitError(f"the pipeline engine runs fp32 and bf16 (autocast / FSDP2 mixed precision), not "
                             f"{plan.training.precision}: use --precision bf16")
@@ -154,7 +163,7 @@ def _drop_other_stages(model, modules) -> None:
                 setattr(sub, name, torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad))
 
 
-def _tensor_parallel(model, module, tp_mesh, loss_parallel: bool = False) -> None:
+def _tensor_parallel(model, module, tp_mesh, loss_parallel: bool = False, sp: bool = False) -> None:
     """The model's transformers TP plan on this stage's part of it: each path taken relative to the
     stage (the base model's prefix dropped), and only those that name a module the stage holds; under
     loss_parallel the head leaves its logits vocab-sharded (tensor_parallel.tp_styles)."""
@@ -167,8 +176,11 @@ def _tensor_parallel(model, module, tp_mesh, loss_parallel: bool = False) -> Non
         local = path[len(prefix):] if path.startswith(prefix) else path
         if any(len(n.split(".")) == len(local.split(".")) and fnmatchcase(n, local) for n in names):
             wanted[local] = style
-    styles = tpar.tp_styles(vocab_sharded=loss_parallel)
+    styles = tpar.tp_styles(sp=sp, vocab_sharded=loss_parallel)
     tpar.parallelize(module, tp_mesh, wanted, type(model).__name__, styles)
+    if sp:
+        sequence_parallel.shard_between_regions(module, tp_mesh, wanted)
+        module.sequence_mesh = tp_mesh
 
 
 def _data_parallel(plan, module, mesh):
@@ -210,9 +222,10 @@ def setup(plan, model, ctx) -> base.Engine:
     modules = [StageModule(model, sum(counts[:k]), counts[k], k == 0, k == chunks - 1, autocast) for k in mine]
     _drop_other_stages(model, modules)
     for module in modules:
+        module.split_backward = layout.schedule in SPLIT_BACKWARD_SCHEDULES
         module.to(ctx.device)
         if tp > 1:
-            _tensor_parallel(model, module, mesh["tp"], layout.loss_parallel)
+            _tensor_parallel(model, module, mesh["tp"], layout.loss_parallel, layout.sequence_parallel)
     wrapped = [_data_parallel(plan, module, mesh["dp"]) if dp > 1 else module for module in modules]
     pp_group = mesh["pp"].get_group()
     pipeline_stages = [pipelining.PipelineStage(w, k, chunks, ctx.device, group=pp_group) for w, k in zip(wrapped, mine)]

@@ -45,9 +45,9 @@ def train_layout_error(plan) -> str | None:
     torch's loss_parallel, or are gathered with loss_parallel false) and pp
     through the pipeline engine (engines/pipeline.py: its stages under single, DDP or FSDP2, tp inside)."""
     par = plan.parallelism
-    if par.cp > 1 or par.ep > 1 or (par.sequence_parallel and par.pp > 1):
-        return ("`shardfit train` runs data, tensor (+ sequence) and pipeline parallelism so far: cp, ep and "
-                "sequence parallel inside a pipeline are for plan and emit (docs/parallelism.md); set them to 1 / off")
+    if par.cp > 1 or par.ep > 1:
+        return ("`shardfit train` runs data, tensor (+ sequence) and pipeline parallelism so far: cp and ep are for "
+                "plan and emit (docs/parallelism.md); set them to 1")
     if par.pp > 1 and plan.strategy.kind not in MESH_STRATEGIES:
         return (f"pipeline-parallel training runs its stages under {', '.join(MESH_STRATEGIES)}, not "
                 f"{plan.strategy.label}: use --strategy fsdp2 or ddp, or pp 1")
