@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 
 @pytest.mark.parametrize("strategy,parallelism,words", [
-    ("fsdp2", Parallelism(cp=2), "cp and ep are for plan"),
+    ("fsdp2", Parallelism(cp=2), "cp is for plan"),
     ("zero2", Parallelism(pp=2), "pipeline-parallel training runs its stages under"),
     ("ddp", Parallelism(tp=2), "runs under fsdp2"),
 ])

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shardfit.engines import base, native, tensor_parallel
+from shardfit.engines import base, expert_parallel, native, tensor_parallel
 from shardfit.errors import ShardfitError
 from shardfit.spec.fsdp_units import separate_embedding_units
 
@@ -33,6 +33,28 @@ def embedding_units(plan, model):
     return embedding, head
 
 
+def _fully_shard(plan, model, blocks_cls, mesh, policy, offload):
+    """shardfit's FSDP2 units: each block, the embedding and head on their own when the plan says so,
+    the root; returns the head's unit (None when it stays in the root)."""
+    s = plan.strategy
+    kwargs = {"mesh": mesh, "mp_policy": policy}
+    if offload is not None:
+        kwargs["offload_policy"] = offload
+    embedding, head = embedding_units(plan, model)
+    if embedding is not None:
+        # torchtitan's wrapping (spec/fsdp_units.py): the embedding resharded after its forward, the head kept
+        # gathered until its backward (which comes at once) and reduce-scattered right after it.
+        fully_shard(embedding, reshard_after_forward=s.reshard_after_forward, **kwargs)
+    for block in [m for m in model.modules() if isinstance(m, blocks_cls)]:
+        fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
+    if head is not None:
+        fully_shard(head, reshard_after_forward=False, **kwargs)
+    # The root's own parameters (the final norm; the embedding and head unless wrapped above) are needed
+    # right away by backward: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return head
+
+
 def setup(plan, model, ctx) -> base.Engine:
     s = plan.strategy
     model, blocks_cls = base.prepare_model(plan, model)
@@ -51,21 +73,12 @@ def setup(plan, model, ctx) -> base.Engine:
         # (engines/chunked_loss.py): tp = 2 matches data parallel's losses and gradient norms (tests/train).
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor",
                                 category=UserWarning)
-    kwargs = {"mesh": mesh, "mp_policy": policy}
-    if offload is not None:
-        kwargs["offload_policy"] = offload
-    embedding, head = embedding_units(plan, model)
-    if embedding is not None:
-        # torchtitan's wrapping (spec/fsdp_units.py): the embedding resharded after its forward, the head kept
-        # gathered until its backward (which comes at once) and reduce-scattered right after it.
-        fully_shard(embedding, reshard_after_forward=s.reshard_after_forward, **kwargs)
-    for block in [m for m in model.modules() if isinstance(m, blocks_cls)]:
-        fully_shard(block, reshard_after_forward=s.reshard_after_forward, **kwargs)
-    if head is not None:
-        fully_shard(head, reshard_after_forward=False, **kwargs)
-    # The root's own parameters (the final norm; the embedding and head unless wrapped above) are needed
-    # right away by backward: keep them gathered.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    if plan.parallelism.ep > 1:
+        # Expert parallel: transformers shards the experts over ep and applies FSDP2 itself (its units:
+        # the dispatched experts on their own mesh, each block, the final norm with the head, the root).
+        model, head = expert_parallel.apply(plan, model, ctx), None
+    else:
+        head = _fully_shard(plan, model, blocks_cls, mesh, policy, offload)
     params = base.trainable_params(model)
     optimizer = base.build_optimizer(plan, params)
     scheduler = base.build_scheduler(plan, optimizer)
@@ -81,7 +94,7 @@ def setup(plan, model, ctx) -> base.Engine:
         yield
 
     def clip(max_norm: float):
-        if plan.parallelism.tp > 1:
+        if plan.parallelism.tp > 1 or plan.parallelism.ep > 1:  # DTensors on more than one mesh
             return tensor_parallel.clip_grad_norm(params, max_norm)
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
 

@@ -45,9 +45,13 @@ def train_layout_error(plan) -> str | None:
     torch's loss_parallel, or are gathered with loss_parallel false) and pp
     through the pipeline engine (engines/pipeline.py: its stages under single, DDP or FSDP2, tp inside)."""
     par = plan.parallelism
-    if par.cp > 1 or par.ep > 1:
-        return ("`shardfit train` runs data, tensor (+ sequence) and pipeline parallelism so far: cp and ep are for "
-                "plan and emit (docs/parallelism.md); set them to 1")
+    if par.cp > 1:
+        return ("`shardfit train` runs data, tensor (+ sequence), pipeline and expert parallelism so far: cp is for "
+                "plan and emit (docs/parallelism.md); set it to 1")
+    if par.ep > 1 and (plan.strategy.kind != "fsdp2" or par.tp > 1 or par.pp > 1):
+        return (f"expert-parallel training runs over data-parallel FSDP2 ranks (transformers' EP, engines/"
+                f"expert_parallel.py), not {plan.strategy.label} with tp = {par.tp}, pp = {par.pp}: use --strategy "
+                "fsdp2 with tp and pp 1, or ep 1")
     if par.pp > 1 and plan.strategy.kind not in MESH_STRATEGIES:
         return (f"pipeline-parallel training runs its stages under {', '.join(MESH_STRATEGIES)}, not "
                 f"{plan.strategy.label}: use --strategy fsdp2 or ddp, or pp 1")
