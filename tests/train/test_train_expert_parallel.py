@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from launch import run_records, shardfit, test_env
+from launch import run_records, shardfit
+from launch import test_env as launch_env
 from shardfit.spec.tiny import tiny_config
 
 pytest.importorskip("torch")
@@ -31,7 +32,7 @@ def test_expert_parallel_trains_like_ep_1_and_resumes_there(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    env = test_env(SHARDFIT_CACHE_DIR=str(tmp_path / "cache"))
+    env = launch_env(SHARDFIT_CACHE_DIR=str(tmp_path / "cache"))
     sharded, plain, resumed = tmp_path / "ep2", tmp_path / "ep1", tmp_path / "resumed"
     shardfit("train", _plan(tmp_path, 2), *COMMON, "--out", str(sharded), "--export", str(sharded / "export"),
              timeout=300, env=env)

@@ -59,8 +59,8 @@ def apply(plan, model, ctx):
 
     par = plan.parallelism
     if par.cp > 1 or par.pp > 1 or par.ep > 1:
-        raise ShardfitError("the FSDP2 engine runs tp (with or without sequence parallel) and dp only so far: cp, pp "
-                            "and ep are plan / estimate only here (issue 14)")
+        raise ShardfitError("the FSDP2 engine runs tp (with or without sequence parallel) with dp only: pp runs in "
+                            "the pipeline engine, ep without tp (engines/expert_parallel.py), cp on no engine here")
     if par.loss_parallel and plan.training.loss == "chunked":
         raise ShardfitError("the chunked loss computes its own head in chunks, which the vocab-parallel loss cannot "
                             "shard: set parallelism.loss_parallel false (--no-loss-parallel) or training.loss standard")
@@ -88,14 +88,14 @@ def tp_styles(sp: bool = False, vocab_sharded: bool = False) -> dict:
     return styles
 
 
-def _vocab_parallel_head(sequence_parallel: bool):
+def _vocab_parallel_head(sp: bool):
     """The head with its logits left sharded over the vocabulary (a DTensor, Shard(-1)): the model's own
     loss then runs under torch's `loss_parallel()` (engines/native.py), a vocab-parallel cross-entropy
     that never gathers the V-wide logits (torchtitan's and Megatron's)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
+    return ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
                            use_local_output=False)
 
 

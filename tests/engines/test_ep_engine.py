@@ -12,7 +12,8 @@ import json
 import math
 
 import pytest
-from launch import measure_worker, test_env, torchrun
+from launch import measure_worker, torchrun
+from launch import test_env as launch_env
 from shardfit.spec.tiny import tiny_config
 
 pytest.importorskip("torch")
@@ -70,7 +71,7 @@ def test_each_rank_holds_its_experts_and_the_forward_is_the_whole_models(tmp_pat
     model = _model_folder(tmp_path)
     script = tmp_path / "ep.py"
     script.write_text(SCRIPT)
-    env = test_env(SHARDFIT_CACHE_DIR=str(tmp_path / "cache"))
+    env = launch_env(SHARDFIT_CACHE_DIR=str(tmp_path / "cache"))
     result = torchrun([str(script), json.dumps(_plan(2, model=model)), model], nproc=2, timeout=180, env=env)
     reports = {int(line.split()[1]): json.loads(line.split(" ", 2)[2]) for line in result.stdout.splitlines()
                if line.startswith("REPORT")}
@@ -90,7 +91,7 @@ def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ep")
     model = _model_folder(folder)
     configs = [{**c, "plan": {**c["plan"], "model": model}} for c in CONFIGS]
-    return measure_worker(configs, folder, nproc=2, timeout=240, env=test_env(SHARDFIT_CACHE_DIR=str(folder / "cache")))
+    return measure_worker(configs, folder, nproc=2, timeout=240, env=launch_env(SHARDFIT_CACHE_DIR=str(folder / "cache")))
 
 
 def test_expert_parallel_trains_as_data_parallel(results):
