@@ -46,8 +46,6 @@ _LORA_FORWARD = ("LoRA forward (matrix_gaps.py _LORA_FORWARD): the adapter path 
 _STEP = ("optimizer-step scratch (matrix_gaps.py _STEP): 6 KiB above the estimator's single-tensor AdamW scratch, "
          "the same miss with the root unit: the step's scratch does not depend on the wrapping")
 GAPS = {
-    "separate/fp32/full": {"backward/grads": _BACKWARD, "backward/temporaries": _BACKWARD},
-    "separate/bf16/full": {"backward/temporaries": _BACKWARD},
     "separate/mistral/bf16/none": {"backward/grads": _BACKWARD, "backward/activations": _BACKWARD,
                                    "backward/temporaries": _BACKWARD, "optimizer/temporaries": _STEP},
     "separate/lora/fp32/none": {"forward/activations": _LORA_FORWARD, "forward/temporaries": _LORA_FORWARD},
@@ -61,6 +59,14 @@ GAPS = {
 # against 2,056 predicted once in a full suite (2026-12-05, 3 workers on 2 cores; 2,056 alone): a
 # 14,480-B allocation alive at the step's peak in one run only, 1% of that phase.
 VARIES = {"separate/lora/fp32/none": {"backward/temporaries", "peak/*", "optimizer/temporaries"}}
+# Under full checkpointing FSDP2's backward peak lands at a different recompute instant run to run
+# (matrix_gaps.VARIES_FSDP2_AC; _BACKWARD above): the split between grads, activations and temporaries
+# is not asserted, the peak is. Seen in full suites here: separate/fp32/full forward and backward splits
+# (2026-12-05, once each) and separate/bf16/full backward grads 225,792 vs 318,336 predicted, activations
+# 400,912 vs 379,904 (once; the listed gaps within tolerance in the runs before).
+_AC_SPLIT = {"backward/grads", "backward/activations", "backward/temporaries"}
+VARIES.update({"separate/fp32/full": _AC_SPLIT | {"forward/activations", "forward/temporaries"},
+               "separate/bf16/full": _AC_SPLIT})
 
 
 @pytest.fixture(scope="module")
