@@ -66,7 +66,10 @@ VARIES = {"separate/lora/fp32/none": {"backward/temporaries", "peak/*", "optimiz
 # 400,912 vs 379,904 (once; the listed gaps within tolerance in the runs before).
 _AC_SPLIT = {"backward/grads", "backward/activations", "backward/temporaries"}
 VARIES.update({"separate/fp32/full": _AC_SPLIT | {"forward/activations", "forward/temporaries"},
-               "separate/bf16/full": _AC_SPLIT})
+               "separate/bf16/full": _AC_SPLIT,
+               # Without checkpointing, whether the next unit's prefetched all-gather is out at the worst rank's
+               # backward peak: 411,784 B of temporaries against 368,768 predicted once in a full suite (2026-12-05).
+               "separate/bf16/none": {"backward/temporaries"}})
 
 
 @pytest.fixture(scope="module")
