@@ -174,7 +174,7 @@ def test_measured_categories_match_the_per_rank_estimate(results, label):
             if ok and f"{phase}/{category}" in gaps:
                 misses.append(f"{phase}/{category} is listed as a gap but now within tolerance: remove it")
         if phase == "forward":
-            # The estimate is the gather instant's worst case (estimate/model_parallel._logits_gather_instant):
+            # The estimate is the gather instant's worst case (estimate/tp_head.logits_gather_instant):
             # a run may free the gather's staging (the V/tp shard and the all-gather buffer) first.
             plan = result["plan"]
             spec = load_plan(plan).model

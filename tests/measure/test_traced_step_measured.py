@@ -4,8 +4,16 @@ rank) and under DDP (2 ranks), fp32 and bf16, checkpointing none / full / select
 them. Every category of every phase within 5% (or 1% of its phase when small) and the peak within 5%:
 the forward and backward splits come from the trace, not from assumed instants.
 
-The other engines (FSDP1/2, ZeRO) place the same traced terms by their own rules
-(estimate/traced_phases.py); their figures over the full grid are benchmarks/bench_any_model.py's.
+DeepSpeed ZeRO-1 and ZeRO-2 (2 ranks, small buckets so that several reductions happen) place the
+same traced terms by their own rules (estimate/traced_phases.py: a gradient stays in .grad until its
+hook copies it into the bucket, the first hook allocates the buckets; estimate/zero_partitions.py: the
+gradient buffer holds every parameter the rank's slice touches whole): every term of load, forward
+and backward, and the peak, as strictly. Their optimizer step is held by its total only: whether one of
+the two ipg buffers is still allocated on a rank while it steps is a race between the ranks (seen on
+any model: +100 to +400 KB here), and so is whether a parameter larger than a bucket still has its own
+gradient beside its copy in the buffer: the step may read up to one of those more than predicted.
+
+FSDP1/2 and ZeRO-3 figures over the full grid are benchmarks/bench_any_model.py's.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import pytest
 
 import launch
 from shardfit.measure.compare import off_terms
+from shardfit.spec.models import load_model_spec
 from test_any_model_matrix import ARCHITECTURES, tiny_models
 
 pytest.importorskip("torch")
@@ -23,8 +32,21 @@ pytestmark = [pytest.mark.multirank, pytest.mark.slow]
 SETTINGS = [(p, ac) for p in ("fp32", "bf16") for ac in ("none", "full", "selective")]
 
 
+# ZeRO-1/2: reduce_bucket_size elements per ipg buffer (x2 with overlap_comm, our default)
+SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
+KINDS = (("single", 1, 0), ("ddp", 2, 1), ("zero2", 2, 3), ("zero1", 2, 0))
+# Where the backward peak itself moves between identical runs: its split is not asserted, its total is.
+VARIES_BACKWARD = {
+    # Inside the first block, as predicted (2 of 3 runs alone), or at the last bucket's reduction:
+    # allreduce_bucket's flat copy of the bucket (350,208 B) beside the embedding's gradient, not yet
+    # hooked (81,920 B), after every activation is gone (2026-12-05; total +1.3% then).
+    "gpt_neox/zero2/fp32/ac-full": "the last bucket's reduction or the first block's backward",
+}
+
+
 def _plan(model_dir: str, kind: str, precision: str, ac: str) -> dict:
-    return {"model": model_dir, "strategy": {"kind": kind},
+    strategy = {"kind": kind, **(SMALL_BUCKETS if kind.startswith("zero") else {})}
+    return {"model": model_dir, "strategy": strategy,
             "cluster": {"nodes": 1, "gpus_per_node": 1 if kind == "single" else 2},
             "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
 
@@ -45,7 +67,9 @@ def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traced-step")
     models, env = tiny_models(folder)
     out = {}
-    for kind, nproc, offset in (("single", 1, 0), ("ddp", 2, 1)):
+    for kind, nproc, offset in KINDS:
+        if kind.startswith("zero"):
+            pytest.importorskip("deepspeed")
         configs = _configs(models, kind, offset)
         (folder / f"{kind}.json").write_text(json.dumps(configs))
         launch.torchrun(["-m", "shardfit.measure.worker", str(folder / f"{kind}.json"), str(folder / f"{kind}.jsonl")],
@@ -53,11 +77,17 @@ def results(tmp_path_factory):
         for line in (folder / f"{kind}.jsonl").read_text().splitlines():
             result = json.loads(line)
             out[result["label"]] = result
+    # The largest tensor's bytes (fp32) per architecture, from the specs the runs cached (torch-free).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SHARDFIT_CACHE_DIR", env["SHARDFIT_CACHE_DIR"])
+        for arch, folder_of in models.items():
+            order = load_model_spec(folder_of).param_order
+            out[f"largest/{arch}"] = 4 * max(n for _, group, _ in order for n in group)
     return out
 
 
 LABELS = [f"{arch}/{kind}/{SETTINGS[(i + offset + step) % len(SETTINGS)][0]}/ac-{SETTINGS[(i + offset + step) % len(SETTINGS)][1]}"
-          for kind, offset in (("single", 0), ("ddp", 1)) for i, arch in enumerate(ARCHITECTURES) for step in (0, 3)]
+          for kind, _, offset in KINDS for i, arch in enumerate(ARCHITECTURES) for step in (0, 3)]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -65,9 +95,21 @@ def test_every_term_of_the_traced_step(results, label):
     result = results[label]
     assert result["error"] is None, result.get("traceback") or result["error"]
     off = off_terms(result["comparison"], term_tolerance=0.05, small_term=0.01, peak_tolerance=0.05)
+    if "/zero" in label:
+        step = result["comparison"]["optimizer"]["total"]
+        # One ipg buffer (fp32 reduction dtype), or the largest parameter's gradient, once more: OPT's
+        # embedding (larger than a bucket, reduced on its own) is at times still alive on the rank
+        # that steps beside its copy in the buffer (983,040 B, 3 runs in 6, 2026-12-05).
+        slack = max(SMALL_BUCKETS["reduce_bucket_size"] * 4, results[f"largest/{label.split('/')[0]}"])
+        assert 0.95 * step["predicted"] <= step["measured"] <= 1.05 * step["predicted"] + slack, step
+        off = {term: why for term, why in off.items() if not term.startswith("optimizer/")}
+    if label in VARIES_BACKWARD:
+        total = result["comparison"]["backward"]["total"]
+        assert abs(total["measured"] - total["predicted"]) <= 0.05 * total["measured"], total
+        off = {term: why for term, why in off.items() if not term.startswith("backward/")}
     assert not off, off
 
 
 def test_every_setting_is_covered():
     seen = {tuple(label.split("/")[1:]) for label in LABELS}
-    assert {(kind, p, f"ac-{ac}") for kind in ("single", "ddp") for p, ac in SETTINGS} <= seen
+    assert {(kind, p, f"ac-{ac}") for kind, _, _ in KINDS for p, ac in SETTINGS} <= seen

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardfit.spec.parallelism import V_SCHEDULES
+from shardfit.spec.parallelism import schedule_fixed_chunks
 
 # flag dest -> Parallelism field
 _FIELDS = {"tp": "tp", "cp": "cp", "pp": "pp", "ep": "ep", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard",
@@ -44,6 +44,6 @@ def parallelism_from_args(args, current):
         changes["loss_parallel"] = False
     if changes.get("pp_virtual_stages", 0) > 1 and "pp_schedule" not in changes:
         changes["pp_schedule"] = "interleaved"
-    if changes.get("pp_schedule") in V_SCHEDULES and "pp_virtual_stages" not in changes:
-        changes["pp_virtual_stages"] = 2  # a V: two chunks per rank, always
+    if "pp_virtual_stages" not in changes:
+        changes.update(schedule_fixed_chunks(changes.get("pp_schedule", "")))
     return replace(current, **changes)

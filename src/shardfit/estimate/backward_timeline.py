@@ -33,12 +33,15 @@ from shardfit.estimate.derived import (cached_set, evaluate, grouped_mm_on_fake_
                                        reduced_model, run_trace, solve_exact, traced_run_failed)
 from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
 
-SERIES = ("activations", "grads_current", "grads_done", "temporaries", "weight_copies")
+SERIES = ("activations", "grads_current", "grads_done", "temporaries", "weight_copies", "grads_pending",
+          "grads_hooked")
 FORWARD_SERIES = ("activations", "temporaries", "weight_copies")
 # Which bytes each kind of engine keeps where the tracker sees them during backward: every gradient
 # in .grad (one device, DDP); the current unit's unsharded gradients only (FSDP: the done ones are
-# reduce-scattered to shards); no gradient in .grad (DeepSpeed moves each into its buckets at once).
-_WEIGHTINGS = ((1, 1, 1, 1, 1), (1, 1, 0, 1, 1), (1, 0, 0, 1, 1))
+# reduce-scattered to shards); only the gradients whose accumulate-grad hook has not finished
+# (DeepSpeed copies each into its bucket in that hook).
+_WEIGHTINGS = ((1, 1, 1, 1, 1, 0, 0), (1, 1, 0, 1, 1, 0, 0), (1, 0, 0, 1, 1, 0, 0), (1, 0, 0, 1, 1, 1, 0))
+_HOOK = "grad_hook"  # the label of the moment a parameter's post-accumulate-grad hook runs
 CHECKPOINTING = ("none", "full", "selective")
 _NEVER = 1 << 62
 
@@ -86,7 +89,19 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
     model, blocks, points, vocab = reduced_model(cfg, facts, regime, attention, lora, beyond_window)
     if checkpointing != "none":
         _checkpoint_blocks(model, checkpointing == "selective")
-    state = {"phase": "forward", "part": "pre", "depth": 0, "node": None, "labels": []}
+    state = {"phase": "forward", "part": "pre", "depth": 0, "node": None, "labels": [], "recorder": None,
+             "hooked": {}}
+
+    def grad_hook(param):
+        # NOTE: where DeepSpeed's hook runs (register_post_accumulate_grad_hook): the gradient is in
+        # .grad, the node that made it has released its inputs. A moment of its own, no op.
+        recorder = state["recorder"]
+        if recorder is None or state["phase"] != "backward" or param.grad is None:
+            return
+        recorder.lifetimes.t += 1
+        state["labels"].append((state["part"], _HOOK))
+        state["hooked"][storage_key(param.grad)] = recorder.lifetimes.t
+
 
     def enter(part):
         def hook(_grad):
@@ -158,11 +173,14 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialize(model)
         params = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        for param in model.parameters():  # the materialized ones
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(grad_hook)
         for b, s in points:
             for param in model.parameters():
                 param.grad = None
-            state.update(phase="forward", part="pre", depth=0, node=None, labels=[])
             recorder = Recorder(_Lifetimes(params), params)
+            state.update(phase="forward", part="pre", depth=0, node=None, labels=[], recorder=recorder, hooked={})
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
                 with masks_as_in_eager(), grouped_mm_on_fake_tensors(), recorder:
@@ -177,7 +195,8 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
                 raise traced_run_failed(cfg, exc) from None
             grads = {storage_key(p.grad) for p in model.parameters() if p.grad is not None}
             lifetimes = recorder.lifetimes
-            series[(b, s)], block_grads[(b, s)] = _instants(lifetimes, start, state["labels"], grads)
+            hooked = {key: t for key, t in state["hooked"].items() if key in grads}
+            series[(b, s)], block_grads[(b, s)] = _instants(lifetimes, start, state["labels"], grads, hooked)
             forward[(b, s)] = _forward_instants(lifetimes, start, state["labels"])
     fit_points = points[:-1]
     return {"instants": _fit(series, points, facts["kinds"], _WEIGHTINGS, SERIES, part_ends=True),
@@ -227,17 +246,19 @@ def _labelled(diff: dict, labels: list, names, row) -> dict:
     return out
 
 
-def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tuple[dict, dict]:
+def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set, hooked: dict) -> tuple[dict, dict]:
     """({label: (activations, grads of the running part, grads of parts done, temporaries, weight
-    copies)} after each backward op, {part: the gradient bytes made in it})."""
+    copies, grads whose hook has not finished, grads hooked)} after each backward op or hook, {part:
+    the gradient bytes made in it}). hooked: a gradient's storage -> the moment its hook ran."""
     end = lifetimes.t
     size = end - start
     labels = labels[start:]
     parts = [part for part, _ in labels]
-    diff = {name: [0] * (size + 2) for name in ("activations", "grads", "temporaries", "weight_copies")}
+    diff = {name: [0] * (size + 2) for name in ("activations", "grads", "temporaries", "weight_copies",
+                                                "grads_pending", "grads_hooked")}
     grad_by_part: dict = {}  # part -> [(created offset, bytes)]
     # A gradient is alive at the end: a freed storage's key may since belong to one.
-    grad_records = {id(r) for key, r in lifetimes.live.items() if key in grads}
+    grad_records = {id(r): hooked.get(key) for key, r in lifetimes.live.items() if key in grads}
     for record in [*lifetimes.done, *lifetimes.live.values()]:
         nbytes, created, freed, phase, _, cast = record
         if created <= start and freed <= start:
@@ -247,6 +268,12 @@ def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tu
         elif id(record) in grad_records:
             name = "grads"
             grad_by_part.setdefault(parts[max(created - start, 1) - 1], []).append((created - start, nbytes))
+            hook = grad_records[id(record)]
+            hook = end + 1 if hook is None else hook  # never hooked: pending to the end
+            # Pending from its creation through its hook's moment (the copy into a bucket ends it).
+            diff["grads_pending"][max(created - start, 1)] += nbytes
+            diff["grads_pending"][min(hook + 1, end + 1) - start] -= nbytes
+            diff["grads_hooked"][min(hook, end + 1) - start] += nbytes
         elif phase in ("forward", "recompute"):
             name = "activations"
         else:
@@ -258,7 +285,7 @@ def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tu
     def row(totals, i, part):
         current = sum(n for t, n in grad_by_part.get(part, ()) if t <= i)
         return (totals["activations"], current, totals["grads"] - current, totals["temporaries"],
-                totals["weight_copies"])
+                totals["weight_copies"], totals["grads_pending"], totals["grads_hooked"])
 
     out = _labelled(diff, labels, SERIES, row)
     return out, {part: sum(n for _, n in made) for part, made in grad_by_part.items()}
@@ -267,8 +294,9 @@ def _instants(lifetimes: _Lifetimes, start: int, labels: list, grads: set) -> tu
 def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: bool = False) -> list:
     """The instants that peak at some traced shape under some engine's weighting, fitted exactly.
     part_ends (backward): also each part's last op (where FSDP reduce-scatters the part's gradients),
-    and the largest instant after the first gradient exists (DeepSpeed allocates its buckets at the
-    first gradient hook: a smaller instant after it can be the peak)."""
+    and the largest instant from the first gradient hook on, its gradients in .grad counted only until
+    their hook ran (DeepSpeed allocates its buckets in the first hook: a smaller instant after it can
+    be the peak)."""
     fit_points, check = points[:-1], points[-1]
     common = set.intersection(*(set(by_label) for by_label in series.values()))
     chosen, ends = set(), set()
@@ -281,11 +309,12 @@ def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: 
             for weights in weightings:
                 chosen.add(max(labels, key=lambda label: sum(w * v for w, v in zip(weights, by_label[label]))))
             if part_ends:
-                ends.add(labels[-1])
-                later = [label for label in labels if by_label[label][1] + by_label[label][2] > 0]
-                if later:
-                    chosen.add(max(later, key=lambda label: sum(by_label[label]) - by_label[label][1]
-                                   - by_label[label][2]))
+                ops = [label for label in labels if f"|{_HOOK}#" not in label]
+                ends.add((ops or labels)[-1])
+                hooked = [label for label in labels if by_label[label][6] > 0]
+                if hooked:
+                    chosen.add(max(hooked, key=lambda label: sum(w * v for w, v in zip(_WEIGHTINGS[-1],
+                                                                                        by_label[label]))))
     instants = []
     for label in sorted(chosen | ends):
         fitted = {name: solve_exact({p: series[p][label][i] for p in fit_points}) for i, name in enumerate(names)}
@@ -315,6 +344,8 @@ class BackwardInstant(NamedTuple):
     grads_done: int
     temporaries: int
     weight_copies: int
+    grads_pending: int  # of those, in .grad with their post-accumulate-grad hook not yet finished
+    grads_hooked: int   # made and hooked (DeepSpeed: copied into its buckets)
 
 
 class ForwardInstant(NamedTuple):
@@ -354,13 +385,14 @@ def full_depth_instants(spec, regime: str, attention: str, lora, checkpointing: 
     top = len(reduced_kinds) - 1
     missing = sum(extra) > 0
     for instant in traced["instants"]:
-        a, gc, gd, t, w = (int(evaluate(instant[name], b, s)) for name in SERIES)
+        a, gc, gd, t, w, pending, hooked = (int(evaluate(instant[name], b, s)) for name in SERIES)
         part, end, index = instant["part"], instant.get("end", False), instant["block"]
         if part != "pre":  # the missing blocks still ahead (below this block)
             backward.append(BackwardInstant(part, 0 <= index < top, index > 0 or missing, end,
-                                            a + ahead[0], gc, gd, t, w + ahead[1]))
+                                            a + ahead[0], gc, gd, t, w + ahead[1], pending, hooked))
         if part != "post" and (missing or part == "pre"):  # the missing blocks done (above it)
-            backward.append(BackwardInstant(part, index < top or missing, index > 0, end, a, gc, gd + behind, t, w))
+            backward.append(BackwardInstant(part, index < top or missing, index > 0, end, a, gc, gd + behind, t, w,
+                                            pending, hooked + behind))
     forward = []
     for instant in traced["forward_instants"]:
         a, t, w = (int(evaluate(instant[name], b, s)) for name in FORWARD_SERIES)

@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import partial
 
-from shardfit.errors import ShardfitError
 from shardfit.estimate import derived_parallel
 from shardfit.estimate import korthikanti as kor
+from shardfit.estimate import tp_head
 from shardfit.estimate.activations import checkpointed_blocks
 from shardfit.estimate.expert_parallel import expert_weights, with_experts_sharded
 from shardfit.estimate.result import Estimate, Term
@@ -150,27 +150,6 @@ def _paper_activations(plan, layout: Layout, layers: int, first: bool, last: boo
     return total
 
 
-def _logits_gather_instant(est: Estimate, forward: dict, rank_model: ModelSpec, tokens: int, d: int, tp: int,
-                           kept: int = 0, sharded: int = 0) -> dict:
-    """transformers' `colwise_gather_output` head: the forward peaks while the logits are gathered --
-    the local V/tp shard, DTensor's all-gather buffer and the full logits are live, the loss has not
-    saved its fp32 log_softmax or labels yet. The larger of that instant and the loss's. `kept`: the
-    pipeline's kept logits of this micro-batch, counted in `forward`'s activations, which at the
-    gather are the full logits being built (the temporaries here), not a second copy. `sharded`: what
-    sequence parallel took off this micro-batch's activations."""
-    at_loss = est.term("activations.blocks").bytes + est.term("activations.head").bytes - sharded
-    if forward["activations"] < at_loss - tokens * rank_model.hidden_size * 4:
-        return forward  # the peak is inside a block (checkpointing), not at the loss
-    vocab = rank_model.vocab_size
-    # Measured (4 CPU ranks): run to run, the gather's staging buffers are freed before or after the
-    # loss saves its log_softmax; the worst case keeps both (pp 2 x tp 2, last stage: 2,584,756 B
-    # measured, this instant 2,575,872).
-    both = {**forward, "activations": forward["activations"] - kept,
-            "temporaries": forward["temporaries"] - est.term("temporaries.loss_inputs").bytes
-            + tokens * -(-vocab // tp) * d + tokens * vocab * d}
-    return both if sum(both.values()) > sum(forward.values()) else forward
-
-
 def pipeline_buffers(plan, layout: Layout, first: bool, last: bool, d: int, stage: int = 0) -> int:
     """Receive buffers of one pipeline rank, bytes (0 without a pipeline). torch.distributed.pipelining
     allocates a receive buffer per micro-batch and per stage chunk, once, and keeps it across steps:
@@ -249,16 +228,8 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
     # Partial -> Replicate) is held by the functional collective's wrapper, which the tracker sees as
     # a temporary although block 0 saves it.
     embedding_out = b * s * model.hidden_size * res if first and layout.tp > 1 and not paper else 0
-    # torch's loss_parallel (what the engines run under parallelism.loss_parallel) computes the log-softmax
-    # of the V/tp logits shard in steps, the max and the sum of exponentials all-reduced over tp: the
-    # shifted shard (fp32) lives beside the exponentials and the result, one shard more than a fused
-    # log-softmax, at the loss and again in its backward. Measured (FSDP2 x TP, 4 CPU ranks, tiny-llama):
-    # forward temporaries +83,472 B over the rank-local loss in fp32 and bf16, one shard being 81,920.
-    # Under per-op selective checkpointing the backward peaks in the top block's recompute, after the
-    # loss's backward (measured: +8.1% with the shard there, +3.9% without).
-    vocab_scratch = (b * s * _ceil_div(model.vocab_size, layout.tp) * 4
-                     if last and layout.tp > 1 and layout.loss_parallel and not paper else 0)
-    scratch_phases = ("forward",) if is_selective_ac(t.activation_checkpointing) else ("forward", "backward")
+    vocab_scratch = tp_head.loss_parallel_scratch(model.vocab_size, layout, b * s) if last and not paper else 0
+    scratch_phases = tp_head.scratch_phases(t.activation_checkpointing)
     # FSDP2 under a pipeline: torch.distributed.pipelining skips resharding after backward and the
     # gradient reduce-scatter on every micro-batch but the last (stage.py, backward_maybe_with_nosync),
     # so the stage's unsharded gradients live from the first backward to the step. FSDP2 accumulates
@@ -317,15 +288,10 @@ def _stage(plan, layout: Layout, rank_estimate, stage: int, layers: int, options
             cats["temporaries"] += ring + moved + waiting + (vocab_scratch if name in scratch_phases else 0)
         phases[name] = cats
     if vocab_scratch and layout.pp == 1 and t.activation_checkpointing == "none":
-        # Without checkpointing the backward peaks as loss_parallel's backward starts: the logits' gradient
-        # (one shard in their dtype) computed while every forward tensor is still alive (measured, FSDP2 x
-        # TP: backward activations 1,869,332 B = the forward's, temporaries the forward's + 83,572 in fp32,
-        # + 42,612 in bf16; a shard 81,920 / 40,960).
-        shard = b * s * _ceil_div(model.vocab_size, layout.tp) * d
-        phases["backward"] = {**phases["forward"], "temporaries": phases["forward"]["temporaries"] + shard}
+        phases["backward"] = tp_head.loss_parallel_backward(phases["forward"], model.vocab_size, layout, b * s, d)
     if last and layout.tp > 1 and not layout.loss_parallel and not paper:
-        phases["forward"] = _logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp,
-                                                   int(kept_logits // max(in_flight, 1)), sp_saved)
+        phases["forward"] = tp_head.logits_gather_instant(est, phases["forward"], rank_model, b * s, d, layout.tp,
+                                                          int(kept_logits // max(in_flight, 1)), sp_saved)
     notes = (f"layout {layout.describe()}: pipeline rank {stage} of {layout.pp} holds {layers} layers"
              f"{' + embedding' if first else ''}{' + head' if last else ''}, {in_flight:g} micro-batch(es) of "
              f"activations in flight ({layout.schedule if layout.pp > 1 else 'no pipeline'})",

@@ -9,6 +9,7 @@ from shardfit.errors import ShardfitError
 from shardfit.estimate import buffers as bufs
 from shardfit.estimate import lora_sharding as lsh
 from shardfit.estimate import states as sts
+from shardfit.estimate import zero_partitions
 from shardfit.estimate.accounting import deepspeed_estimator_states, ideal_states
 from shardfit.estimate.buffers import Buffers
 from shardfit.estimate.step_activations import Activations, Recorder
@@ -130,6 +131,7 @@ def _engine_states(plan, acts, facts, shard, lp, largest, device, optimizer_impl
     else:
         states.buffers = bufs.zero12_buffers(strategy, st, facts.trained, world, lp, largest, impl, optimizer,
                                              states.host, term)
+        _zero12_layout(states, model, facts, st.grads_full, world, lp, term)
     buf = states.buffers
     if record:
         record.term("temporaries.optimizer_step", buf.opt - buf.rest,
@@ -145,6 +147,24 @@ def _engine_states(plan, acts, facts, shard, lp, largest, device, optimizer_impl
                         {"base": lora.base_dtype, "regime": acts.regime},
                         "bitsandbytes gemm_4bit / MatMul4Bit.backward dequantize_4bit; MatMul8bitFp / MatMul8bitLt CB*SCB")
     return states
+
+
+def _zero12_layout(states: States, model, facts: ModelFacts, partition_bytes: int, world: int, lp: int, term) -> None:
+    """ZeRO-1/2 where the parameter layout is known and covers what is trained (estimate/zero_partitions.py):
+    the gradient buffer holds the whole of every parameter the rank's partition touches, and the
+    optimizer step peaks at the norm, the flattening or the update, whichever is largest on some rank."""
+    buf = states.buffers
+    buf.grads_early = partition_bytes
+    sizes = sum(n * repeat for _, group, repeat in model.param_order for n in group)
+    if not partition_bytes or not model.param_order or sizes != facts.trained:
+        return  # offloaded (no device gradient buffer), LoRA, or no layout: the partition
+    whole = lp * zero_partitions.grads_in_partition_elements(model.param_order, world)
+    buf.grads_early = max(whole, partition_bytes)
+    part = partition_bytes // lp
+    states.grads_optimizer, buf.opt = zero_partitions.step_instants(model.param_order, world, lp, part, buf.opt)
+    if term:
+        term("grads.zero12_grads_in_partition", whole, "lp * whole numel of the params the worst rank's partition touches",
+             {"lp": lp, "world": world, "partition": partition_bytes}, "deepspeed stage_1_and_2.py copy_grads_in_partition")
 
 
 def _gather_bytes(plan, facts: ModelFacts) -> float:

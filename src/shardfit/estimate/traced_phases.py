@@ -8,9 +8,11 @@ goes at each instant and which engine buffers are alive beside it (estimate/buff
   shards (the gradients at rest, in the optimizer's dtype) once reduce-scattered at its end; the
   head's and the embedding's stay unsharded until the root reduces at the end of backward (FSDP2 with
   the embedding and head as units of their own reduces the head's right after its backward).
-- DeepSpeed ZeRO-1/2/3: each gradient is copied into the reduction bucket in its hook and dropped, so
-  none stays in .grad; the flat gradient partition exists from the first bucket reduction on, which
-  comes once reduce_bucket_size gradient elements were made (ZeRO-3's partition from the start).
+- DeepSpeed ZeRO-1/2/3: each gradient is copied into the reduction bucket in its post-accumulate-grad
+  hook and dropped, so a gradient stays in .grad only until its hook finishes (the first hook
+  allocates the buckets beside it); the flat gradient partition exists from the first bucket
+  reduction on, which comes once reduce_bucket_size gradient elements were hooked (ZeRO-3's partition
+  from the start).
 The largest instant wins; its split is the estimate's.
 """
 from __future__ import annotations
@@ -49,10 +51,14 @@ def backward_peak(plan, step, buf, states, grads_persistent: int) -> tuple[int, 
         split = _deepspeed(plan, step, buf, states, grads_persistent)
     else:
         split = _one_device(step, buf, grads_persistent)
-    best = (0, 0, 0)
-    for candidate in split:
-        if sum(candidate) > sum(best):
-            best = candidate
+    # On a tie the earlier instant is the one a tracker reports (the first to reach the peak): backward
+    # runs the head's part first, then the blocks, then the embedding's.
+    order = {"post": 0, "block": 1, "pre": 2}
+    best, best_rank = (0, 0, 0), (0, 0)
+    for index, (instant, candidate) in enumerate(split):
+        rank = (order[instant.part], index)
+        if sum(candidate) > sum(best) or (sum(candidate) == sum(best) and rank < best_rank):
+            best, best_rank = candidate, rank
     return best
 
 
@@ -85,7 +91,7 @@ def _one_device(step, buf, grads_persistent: int):
     # fresh ones into them, each freed once added.
     for i in step.backward:
         grads = grads_persistent or i.grads_current + i.grads_done
-        yield i.activations, grads, i.temporaries + i.weight_copies + _moment(i, buf)
+        yield i, (i.activations, grads, i.temporaries + i.weight_copies + _moment(i, buf))
 
 
 def _fsdp(plan, step, buf, states, grads_persistent: int):
@@ -107,11 +113,11 @@ def _fsdp(plan, step, buf, states, grads_persistent: int):
         unsharded = i.grads_current + root_unsharded
         moment = buf.start if i.part == "post" else _fsdp_moment(i, buf.fsdp)
         temps = i.temporaries + i.weight_copies + unsharded + moment
-        yield i.activations, grads, temps
+        yield i, (i.activations, grads, temps)
         if i.end and i.part == "block":  # the unit's reduce-scatter: its flat input and output beside
-            yield i.activations, grads, temps + buf.fsdp.unit_reduce
+            yield i, (i.activations, grads, temps + buf.fsdp.unit_reduce)
         if i.end and i.part == "pre":  # the root's reduction: its gathered weights resharded first
-            yield i.activations, grads, i.temporaries + i.grads_current + root_unsharded + buf.end
+            yield i, (i.activations, grads, i.temporaries + i.grads_current + root_unsharded + buf.end)
 
 
 def _deepspeed(plan, step, buf, states, grads_persistent: int):
@@ -119,12 +125,17 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
     # Elements per traced gradient byte: ZeRO runs a 16-bit model under bf16 / fp16.
     per_byte = 1 / (4 if plan.training.precision == "fp32" else 2)
     for i in step.backward:
-        made = (i.grads_current + i.grads_done) * per_byte
+        # Each gradient hook copies its .grad into the bucket: until its hook finishes a gradient is in
+        # .grad (the first hook allocates the buckets beside it); the hooked ones were reduced.
+        made = i.grads_hooked * per_byte
         if buf.grads_early is not None:  # ZeRO-1/2: the flat partition from the first reduction on
             grads = grads_persistent or (buf.grads_early if made >= s.reduce_bucket_size else 0)
+            grads += i.grads_pending
         else:
+            # NOTE: ZeRO-3 measured without the pending gradients (OPT's tied embedding: its dense
+            # gradient is not alive beside the last bucket's reduction; calibration §5).
             grads = grads_persistent
-        # The buckets appear at the first gradient hook; the head's backward holds no other unit's buffers.
+        # The head's backward holds no other unit's buffers.
         temps = i.temporaries + i.weight_copies + (buf.start if made == 0 else buf.inside if i.part == "post"
                                                    else _moment(i, buf))
-        yield i.activations, grads, temps
+        yield i, (i.activations, grads, temps)

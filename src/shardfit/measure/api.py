@@ -259,11 +259,26 @@ class Profiler:
             if optimizer is not None and not any(optimizer is o for o in self._optimizers):
                 self._optimizers.append(optimizer)
                 self._accountant.optimizers = self._optimizers
+            if type(optimizer).__name__ == "DeepSpeedZeroOptimizer":
+                self._watch_gradients(model)
 
         if type(model).__name__ == "DistributedDataParallel":
             # DDP rebuilds its gradient buckets inside _pre_forward (second step): buckets, not activations.
             for method in ("_pre_forward", "_post_forward"):
                 self._wrap_engine_work(model, method)
+
+    def _watch_gradients(self, model):
+        """ZeRO-1/2 copies each gradient into its bucket inside its post-accumulate-grad hook and drops
+        it, so no identity scan finds it in .grad: file the gradient as one as it reaches its parameter
+        (a leaf's tensor hook runs just before the accumulation), whatever its moment."""
+        accountant = self._accountant
+
+        def mark(grad):
+            accountant.track_tensor(grad, "grads", override=True)
+
+        for param in model.parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_hook(mark))
 
     def _wrap_engine_work(self, obj, method: str):
         original = obj.__dict__.get(method)

@@ -31,6 +31,11 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 # chunks in a V: rank r holds chunks r and 2p - 1 - r, so rank 0 holds the embedding and the head.
 MULTI_CHUNK_SCHEDULES = ("interleaved", "zero-bubble", "zbv", "dualpipev")
 V_SCHEDULES = ("zbv", "dualpipev")
+
+
+def schedule_fixed_chunks(schedule: str) -> dict:
+    """The pp_virtual_stages a schedule fixes, as plan fields: a V always runs two chunks per rank."""
+    return {"pp_virtual_stages": 2} if schedule in V_SCHEDULES else {}
 # Zero-bubble schedules split each backward into the input gradient (B) and the weight gradient (W),
 # run later to fill the bubble; a micro-batch's saved activations live until its W.
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")

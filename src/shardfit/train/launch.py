@@ -10,7 +10,7 @@ from shardfit.estimate.lora_targets import with_default_targets
 from shardfit.runtime_env import local_world_size
 from shardfit.spec.fields import lora_section
 from shardfit.spec.models import load_model_spec
-from shardfit.spec.parallelism import V_SCHEDULES
+from shardfit.spec.parallelism import schedule_fixed_chunks
 from shardfit.spec.plan import parse_strategy, plan_from_dict
 from shardfit.spec.planfile import read_plan_data
 from shardfit.spec.kernels import kernel_fields
@@ -87,8 +87,8 @@ def plan_data(flags: TrainFlags) -> dict:
         data["parallelism"] = {**dict(data.get("parallelism") or {}), "pp": flags.pp}
     if flags.pp_schedule is not None:
         schedule = flags.pp_schedule.strip().lower()
-        chunks = {"pp_virtual_stages": 2} if schedule in V_SCHEDULES else {}
-        data["parallelism"] = {**dict(data.get("parallelism") or {}), "pp_schedule": schedule, **chunks}
+        data["parallelism"] = {**dict(data.get("parallelism") or {}), "pp_schedule": schedule,
+                               **schedule_fixed_chunks(schedule)}
     for flag, section, key in (("micro_batch", "training", "micro_batch"), ("seq", "training", "seq_len"),
                                ("grad_accum", "training", "grad_accum"), ("precision", "training", "precision"),
                                ("ac", "training", "activation_checkpointing"), ("steps", "schedule", "steps"),

@@ -1,0 +1,62 @@
+"""DeepSpeed ZeRO-1/2's gradient partition buffer as it is really sized: whole parameters, not the
+partition. No torch here: the layout comes from the derived spec's `param_order`.
+
+Source (DeepSpeed 0.19, runtime/zero/stage_1_and_2.py): each parameter group's trainable parameters
+are flattened in order and padded to a multiple of nccl_start_alignment_factor (2) x world
+(`flatten_dense_tensors_aligned`); rank r's partition is the r-th of `world` equal slices
+(`get_partition_info`), and a parameter belongs to it when it starts inside the slice or straddles its
+start. `copy_grads_in_partition` then allocates `grads_in_partition` with the *whole* numel of every
+parameter that belongs to the rank, so a rank whose slice cuts through a large tensor (an embedding
+on two ranks) holds that tensor's whole gradient, beside the others: up to twice the partition.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+NCCL_START_ALIGNMENT_FACTOR = 2  # stage_1_and_2.py: 4-byte alignment / sizeof(fp16)
+
+
+def _sizes(param_order: tuple) -> list[int]:
+    return [n for _, sizes, repeat in param_order for _ in range(repeat) for n in sizes]
+
+
+@lru_cache(maxsize=256)
+def rank_layouts(param_order: tuple, world: int) -> tuple[tuple[int, int], ...]:
+    """Per rank: (elements of its `grads_in_partition` buffer, the largest piece of a parameter inside
+    its slice). The pieces are the views `get_flat_partition` hands the gradient norm, one at a time."""
+    sizes = _sizes(param_order)
+    total = sum(sizes)
+    align = NCCL_START_ALIGNMENT_FACTOR * world
+    part = max(1, (total + (-total) % align) // world)
+    owned, piece = [0] * world, [0] * world
+    start = 0
+    for n in sizes:
+        if n:
+            # The ranks whose slice this parameter starts in or straddles the start of.
+            first, last = start // part, min((start + n - 1) // part, world - 1)
+            for rank in range(first, last + 1):
+                owned[rank] += n
+                inside = min(start + n, (rank + 1) * part) - max(start, rank * part)
+                piece[rank] = max(piece[rank], inside)
+        start += n
+    return tuple(zip(owned, piece))
+
+
+def grads_in_partition_elements(param_order: tuple, world: int) -> int:
+    """Elements of the largest `grads_in_partition` buffer over the ranks (the rank that peaks)."""
+    return max((owned for owned, _ in rank_layouts(param_order, world)), default=0)
+
+
+def step_instants(param_order: tuple, world: int, lp: int, part: int, adam_temps: int) -> tuple[int, int]:
+    """(grads, temporaries) of the optimizer step's largest instant on the worst rank (DeepSpeed 0.19,
+    `step`, no offload): the gradient norm, each piece upcast to fp64 in turn (`get_grad_norm_direct`,
+    `get_norm_dtype`) beside the buffer; the flat partition built from the buffer (`flatten`, then its
+    fp32 copy under bf16 / fp16); the update, with the buffer freed and only the fp32 flat partition
+    left as gradient, beside the optimizer's scratch."""
+    best = (4 * part, adam_temps)
+    flat = lp * part + (4 * part if lp != 4 else 0)
+    for owned, piece in rank_layouts(param_order, world):
+        for candidate in ((lp * owned, 8 * piece), (lp * owned + flat, 0)):
+            if sum(candidate) > sum(best):
+                best = candidate
+    return best
