@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shardfit.estimate.zero_partitions import grads_in_partition_elements
+from shardfit.estimate.zero_partitions import grads_in_partition_elements, zero3_last_flushes
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.tiny import tiny_config
 
@@ -21,6 +21,15 @@ def test_a_straddling_parameter_counts_whole_on_every_rank_it_touches():
     assert grads_in_partition_elements((("root", (10, 40, 30, 20), 1),), 3) == 70
     # Blocks repeat: (("block", (5, 5), 3)) is six tensors of 5; one rank holds all 30.
     assert grads_in_partition_elements((("block", (5, 5), 3),), 1) == 30
+
+
+def test_zero3_last_reductions_follow_the_backward_order():
+    # Hooks in reverse order: 20, 30, 40 fill a bucket of 100 (90); 50 does not fit: reduce 90 with
+    # 50 waiting; then 50 and 10 (60) go at the epilogue with nothing waiting.
+    assert zero3_last_flushes((("root", (10, 50, 40, 30, 20), 1),), 100) == ((90, 50), (60, 0))
+    # A parameter larger than the bucket is reduced alone; an empty bucket is not reduced first.
+    assert zero3_last_flushes((("root", (250,), 1),), 100) == ((250, 0),)
+    assert zero3_last_flushes((("root", (250, 30), 1),), 100) == ((30, 250), (250, 0))
 
 
 ARCHS = ("opt", "qwen3", "gemma3_text", "bloom", "granitemoe")

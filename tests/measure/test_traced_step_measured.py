@@ -13,7 +13,9 @@ the two ipg buffers is still allocated on a rank while it steps is a race betwee
 any model: +100 to +400 KB here), and so is whether a parameter larger than a bucket still has its own
 gradient beside its copy in the buffer: the step may read up to one of those more than predicted.
 
-FSDP1/2 and ZeRO-3 figures over the full grid are benchmarks/bench_any_model.py's.
+ZeRO-3 on four settings, its step aside (its last bucket reductions: two flat copies of the bucket
+beside the embedding's gradient, estimate/zero_partitions.py). FSDP1/2 and ZeRO-3 figures over the
+full grid are benchmarks/bench_any_model.py's.
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ SETTINGS = [(p, ac) for p in ("fp32", "bf16") for ac in ("none", "full", "select
 # ZeRO-1/2: reduce_bucket_size elements per ipg buffer (x2 with overlap_comm, our default)
 SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
 KINDS = (("single", 1, 0), ("ddp", 2, 1), ("zero2", 2, 3), ("zero1", 2, 0))
+# ZeRO-3 on four settings (not rotated: Granite-MoE under checkpointing and OPT's tied embedding are
+# its open gaps, docs/estimator-calibration.md §14): load, forward and backward term by term; its step
+# is the engine matrix's (whether the persistent parameters stay gathered through step() is a race).
+ZERO3 = (("gpt_neox", "fp32", "full"), ("qwen3", "fp32", "full"), ("falcon", "bf16", "selective"),
+         ("deepseek_v3", "fp32", "none"))
 # Where the backward peak itself moves between identical runs: its split is not asserted, its total is.
 VARIES_BACKWARD = {
     # Inside the first block, as predicted (2 of 3 runs alone), or at the last bucket's reduction:
@@ -45,7 +52,8 @@ VARIES_BACKWARD = {
 
 
 def _plan(model_dir: str, kind: str, precision: str, ac: str) -> dict:
-    strategy = {"kind": kind, **(SMALL_BUCKETS if kind.startswith("zero") else {})}
+    strategy = {"kind": kind, **(SMALL_BUCKETS if kind.startswith("zero") else {}),
+                **({"prefetch_bucket_size": 100_000} if kind == "zero3" else {})}
     return {"model": model_dir, "strategy": strategy,
             "cluster": {"nodes": 1, "gpus_per_node": 1 if kind == "single" else 2},
             "training": {"micro_batch": 2, "seq_len": 64, "precision": precision, "activation_checkpointing": ac}}
@@ -77,6 +85,14 @@ def results(tmp_path_factory):
         for line in (folder / f"{kind}.jsonl").read_text().splitlines():
             result = json.loads(line)
             out[result["label"]] = result
+    zero3 = [{"label": f"{arch}/zero3/{p}/ac-{ac}", "steps": 2, "plan": _plan(models[arch], "zero3", p, ac)}
+             for arch, p, ac in ZERO3]
+    (folder / "zero3.json").write_text(json.dumps(zero3))
+    launch.torchrun(["-m", "shardfit.measure.worker", str(folder / "zero3.json"), str(folder / "zero3.jsonl")],
+                    nproc=2, timeout=900, env=env)
+    for line in (folder / "zero3.jsonl").read_text().splitlines():
+        result = json.loads(line)
+        out[result["label"]] = result
     # The largest tensor's bytes (fp32) per architecture, from the specs the runs cached (torch-free).
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SHARDFIT_CACHE_DIR", env["SHARDFIT_CACHE_DIR"])
@@ -88,6 +104,7 @@ def results(tmp_path_factory):
 
 LABELS = [f"{arch}/{kind}/{SETTINGS[(i + offset + step) % len(SETTINGS)][0]}/ac-{SETTINGS[(i + offset + step) % len(SETTINGS)][1]}"
           for kind, _, offset in KINDS for i, arch in enumerate(ARCHITECTURES) for step in (0, 3)]
+LABELS += [f"{arch}/zero3/{p}/ac-{ac}" for arch, p, ac in ZERO3]
 
 
 @pytest.mark.parametrize("label", LABELS)
@@ -95,7 +112,9 @@ def test_every_term_of_the_traced_step(results, label):
     result = results[label]
     assert result["error"] is None, result.get("traceback") or result["error"]
     off = off_terms(result["comparison"], term_tolerance=0.05, small_term=0.01, peak_tolerance=0.05)
-    if "/zero" in label:
+    if "/zero3/" in label:
+        off = {term: why for term, why in off.items() if not term.startswith("optimizer/")}
+    elif "/zero" in label:
         step = result["comparison"]["optimizer"]["total"]
         # One ipg buffer (fp32 reduction dtype), or the largest parameter's gradient, once more: OPT's
         # embedding (larger than a bucket, reduced on its own) is at times still alive on the rank

@@ -311,6 +311,8 @@ def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: 
             if part_ends:
                 ops = [label for label in labels if f"|{_HOOK}#" not in label]
                 ends.add((ops or labels)[-1])
+                if len(ops) < len(labels):  # and the part's last hook (ZeRO-3 reduces its last bucket there)
+                    chosen.add([label for label in labels if label not in ops][-1])
                 hooked = [label for label in labels if by_label[label][6] > 0]
                 if hooked:
                     chosen.add(max(hooked, key=lambda label: sum(w * v for w, v in zip(_WEIGHTINGS[-1],
@@ -325,6 +327,7 @@ def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: 
         part = label.split("|", 1)[0]
         block = int(part) if part.lstrip("-").isdigit() else -1
         instants.append({"part": "block" if block >= 0 else part, "block": block, "end": label in ends,
+                         "hook": f"|{_HOOK}#" in label,
                          "kind": kinds[block] if 0 <= block < len(kinds) else -1,
                          **{name: {t: float(v) for t, v in c.items()} for name, c in fitted.items()}})
     return instants
@@ -346,6 +349,7 @@ class BackwardInstant(NamedTuple):
     weight_copies: int
     grads_pending: int  # of those, in .grad with their post-accumulate-grad hook not yet finished
     grads_hooked: int   # made and hooked (DeepSpeed: copied into its buckets)
+    hook: bool = False  # the moment a gradient hook runs (the node that made it has released its inputs)
 
 
 class ForwardInstant(NamedTuple):
@@ -386,13 +390,13 @@ def full_depth_instants(spec, regime: str, attention: str, lora, checkpointing: 
     missing = sum(extra) > 0
     for instant in traced["instants"]:
         a, gc, gd, t, w, pending, hooked = (int(evaluate(instant[name], b, s)) for name in SERIES)
-        part, end, index = instant["part"], instant.get("end", False), instant["block"]
+        part, end, index, hook = instant["part"], instant.get("end", False), instant["block"], instant["hook"]
         if part != "pre":  # the missing blocks still ahead (below this block)
             backward.append(BackwardInstant(part, 0 <= index < top, index > 0 or missing, end,
-                                            a + ahead[0], gc, gd, t, w + ahead[1], pending, hooked))
+                                            a + ahead[0], gc, gd, t, w + ahead[1], pending, hooked, hook))
         if part != "post" and (missing or part == "pre"):  # the missing blocks done (above it)
             backward.append(BackwardInstant(part, index < top or missing, index > 0, end, a, gc, gd + behind, t, w,
-                                            pending, hooked + behind))
+                                            pending, hooked + behind, hook))
     forward = []
     for instant in traced["forward_instants"]:
         a, t, w = (int(evaluate(instant[name], b, s)) for name in FORWARD_SERIES)

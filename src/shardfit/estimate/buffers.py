@@ -14,6 +14,7 @@ from shardfit.estimate import flat_shards
 from shardfit.estimate import states as sts
 from shardfit.estimate.lora_sharding import largest_adapter
 from shardfit.estimate import temporaries as tmp
+from shardfit.estimate import zero_partitions
 from shardfit.spec.fsdp_units import separate_embedding_units
 
 
@@ -36,7 +37,7 @@ class FsdpParts(NamedTuple):
 class Buffers:
     """Temporaries (bytes per rank) at each moment, plus the grads some engines hold apart."""
     __slots__ = ("rest", "fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end", "opt", "ckpt",
-                 "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late", "fsdp")
+                 "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late", "fsdp", "last_flushes")
 
     def __init__(self, rest: int = 0, during: int | None = None):
         during = rest if during is None else during
@@ -48,6 +49,7 @@ class Buffers:
         # the head's grads beside grads_last / grads_full late in backward (None: head_grad, unsharded till the end)
         self.head_grad_late = None
         self.fsdp: FsdpParts | None = None  # FSDP's buffers one by one, for the traced step's instants
+        self.last_flushes: tuple = ()  # ZeRO-3: (elements reduced, elements waiting) of its last reductions
 
 
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
@@ -211,6 +213,8 @@ def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec, r
     b = Buffers(bucket, bucket + held + mod_grad)
     b.fwd_block = b.fwd_loss = bucket + held
     b.last = bucket + live + mod_grad  # the first block's backward: what was kept above it is released
+    if model.param_order and sum(n * r for _, g, r in model.param_order for n in g) == trained:
+        b.last_flushes = zero_partitions.zero3_last_flushes(model.param_order, s.reduce_bucket_size)
     b.opt = bucket
     if not s.offload_optimizer:
         sub = min(int(trained / world), sts.ZERO3_SUB_GROUP_SIZE)

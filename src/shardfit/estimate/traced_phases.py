@@ -132,10 +132,16 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
             grads = grads_persistent or (buf.grads_early if made >= s.reduce_bucket_size else 0)
             grads += i.grads_pending
         else:
-            # NOTE: ZeRO-3 measured without the pending gradients (OPT's tied embedding: its dense
-            # gradient is not alive beside the last bucket's reduction; calibration §5).
+            # NOTE: ZeRO-3 measured without the pending gradients: the assumed module gradient
+            # (buffers.zero3_buffers) stands for them inside blocks; with a tied embedding it is the
+            # trace's partial gradient counted twice (OPT +10%; calibration §14).
             grads = grads_persistent
         # The head's backward holds no other unit's buffers.
         temps = i.temporaries + i.weight_copies + (buf.start if made == 0 else buf.inside if i.part == "post"
                                                    else _moment(i, buf))
         yield i, (i.activations, grads, temps)
+        if i.part == "pre" and i.hook:
+            # ZeRO-3's last reductions, at the embedding's hook and after it: two flat copies of the
+            # bucket's gradients beside the one waiting (a 16-bit model under bf16 / fp16).
+            for reduced, waiting in buf.last_flushes:
+                yield i, (i.activations, grads + int(waiting / per_byte), temps + 2 * int(reduced / per_byte))

@@ -1,5 +1,6 @@
-"""DeepSpeed ZeRO-1/2's gradient partition buffer as it is really sized: whole parameters, not the
-partition. No torch here: the layout comes from the derived spec's `param_order`.
+"""DeepSpeed's gradient buffers as the parameter layout sizes them: ZeRO-1/2's partition buffer (whole
+parameters, not the partition) and ZeRO-3's last bucket reductions. No torch here: the layout comes
+from the derived spec's `param_order`.
 
 Source (DeepSpeed 0.19, runtime/zero/stage_1_and_2.py): each parameter group's trainable parameters
 are flattened in order and padded to a multiple of nccl_start_alignment_factor (2) x world
@@ -60,3 +61,22 @@ def step_instants(param_order: tuple, world: int, lp: int, part: int, adam_temps
             if sum(candidate) > sum(best):
                 best = candidate
     return best
+
+
+@lru_cache(maxsize=256)
+def zero3_last_flushes(param_order: tuple, bucket: int) -> tuple[tuple[int, int], ...]:
+    """(elements reduced, elements of the gradient waiting in .grad) of ZeRO-3's last two bucket
+    reductions, when backward has freed every activation: the one the last hook triggers (its
+    parameter does not fit beside the bucket's `elements`), and the epilogue's of what is left.
+    Source (DeepSpeed 0.19, stage3.py): `reduce_independent_p_g_buckets_and_remove_grads` reduces the
+    bucket first when `elements + ds_numel > reduce_bucket_size` (and it is not empty); the reduction
+    (`__avg_scatter_grads` -> `reduce_scatter_coalesced`) holds two flat copies of the bucket's
+    gradients. The hooks run in backward order: the parameters in reverse, the embedding's last."""
+    fill, flushes = 0, []
+    for n in reversed(_sizes(param_order)):
+        if fill + n > bucket and fill > 0:
+            flushes.append((fill, n))
+            fill = 0
+        fill += n
+    flushes.append((fill, 0))
+    return tuple(flushes[-2:])
