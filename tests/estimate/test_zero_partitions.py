@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shardfit.estimate.zero_partitions import grads_in_partition_elements, zero3_last_flushes
+from shardfit.estimate.zero_partitions import bucket_reductions, grads_in_partition_elements, zero3_last_flushes
 from shardfit.spec.models import load_model_spec
 from shardfit.spec.tiny import tiny_config
 
@@ -30,6 +30,18 @@ def test_zero3_last_reductions_follow_the_backward_order():
     # A parameter larger than the bucket is reduced alone; an empty bucket is not reduced first.
     assert zero3_last_flushes((("root", (250,), 1),), 100) == ((250, 0),)
     assert zero3_last_flushes((("root", (250, 30), 1),), 100) == ((30, 250), (250, 0))
+
+
+def test_zero12_reductions_happen_at_the_hook_that_overflows_the_bucket():
+    hooks = (("post", -1, 0, 60), ("block", 1, 0, 30), ("block", 1, 1, 20), ("block", 0, 0, 90),
+             ("block", 0, 1, 5), ("pre", -1, 0, 250), ("pre", -1, 1, 1))
+    reductions, first = bucket_reductions(hooks, 100)
+    # 60 + 30 fit (90); 20 does not: reduce 90 there. 20 + 90 > 100: reduce 20. 90 + 5 fit; 250 does
+    # not: reduce 95. The next hook reduces the 250 alone (a parameter larger than the bucket).
+    assert reductions == {("block", 1, 1): 90, ("block", 0, 0): 20, ("pre", -1, 0): 95, ("pre", -1, 1): 250}
+    # The gradient buffer exists once the first reduction's hook is done: 60 + 30 + 20 hooked.
+    assert first == 110
+    assert bucket_reductions((("post", -1, 0, 10),), 100) == ({}, None)
 
 
 ARCHS = ("opt", "qwen3", "gemma3_text", "bloom", "granitemoe")

@@ -90,7 +90,7 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
     if checkpointing != "none":
         _checkpoint_blocks(model, checkpointing == "selective")
     state = {"phase": "forward", "part": "pre", "depth": 0, "node": None, "labels": [], "recorder": None,
-             "hooked": {}}
+             "hooked": {}, "hook_sizes": {}}
 
     def grad_hook(param):
         # NOTE: where DeepSpeed's hook runs (register_post_accumulate_grad_hook): the gradient is in
@@ -101,6 +101,7 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
         recorder.lifetimes.t += 1
         state["labels"].append((state["part"], _HOOK))
         state["hooked"][storage_key(param.grad)] = recorder.lifetimes.t
+        state["hook_sizes"].setdefault(str(state["part"]), []).append(int(param.numel()))
 
 
     def enter(part):
@@ -170,6 +171,7 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
     series: dict = {}
     forward: dict = {}
     block_grads: dict = {}
+    hook_sizes = None
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialize(model)
         params = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
@@ -180,7 +182,8 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
             for param in model.parameters():
                 param.grad = None
             recorder = Recorder(_Lifetimes(params), params)
-            state.update(phase="forward", part="pre", depth=0, node=None, labels=[], recorder=recorder, hooked={})
+            state.update(phase="forward", part="pre", depth=0, node=None, labels=[], recorder=recorder, hooked={},
+                         hook_sizes={})
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
                 with masks_as_in_eager(), grouped_mm_on_fake_tensors(), recorder:
@@ -198,6 +201,7 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
             hooked = {key: t for key, t in state["hooked"].items() if key in grads}
             series[(b, s)], block_grads[(b, s)] = _instants(lifetimes, start, state["labels"], grads, hooked)
             forward[(b, s)] = _forward_instants(lifetimes, start, state["labels"])
+            hook_sizes = state["hook_sizes"] if hook_sizes is None else hook_sizes  # the same at every shape
     fit_points = points[:-1]
     return {"instants": _fit(series, points, facts["kinds"], _WEIGHTINGS, SERIES, part_ends=True),
             "forward_instants": _fit(forward, points, facts["kinds"], ((1, 1, 1),), FORWARD_SERIES),
@@ -205,6 +209,8 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
             "block_grads": [float(block_grads[fit_points[0]].get(i, 0)) for i in range(len(facts["kinds"]))],
             "head_grads": float(block_grads[fit_points[0]].get("post", 0)),
             "embedding_grads": float(block_grads[fit_points[0]].get("pre", 0)),
+            # Elements each gradient hook receives, in backward order, per part ("post", a block's index, "pre").
+            "hook_sizes": hook_sizes,
             "reduced_kinds": list(facts["kinds"])}
 
 
@@ -311,8 +317,8 @@ def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: 
             if part_ends:
                 ops = [label for label in labels if f"|{_HOOK}#" not in label]
                 ends.add((ops or labels)[-1])
-                if len(ops) < len(labels):  # and the part's last hook (ZeRO-3 reduces its last bucket there)
-                    chosen.add([label for label in labels if label not in ops][-1])
+                # and every hook moment (DeepSpeed reduces a full bucket there)
+                chosen.update(label for label in labels if f"|{_HOOK}#" in label)
                 hooked = [label for label in labels if by_label[label][6] > 0]
                 if hooked:
                     chosen.add(max(hooked, key=lambda label: sum(w * v for w, v in zip(_WEIGHTINGS[-1],
@@ -327,7 +333,7 @@ def _fit(series: dict, points: list, kinds: list, weightings, names, part_ends: 
         part = label.split("|", 1)[0]
         block = int(part) if part.lstrip("-").isdigit() else -1
         instants.append({"part": "block" if block >= 0 else part, "block": block, "end": label in ends,
-                         "hook": f"|{_HOOK}#" in label,
+                         "hook": int(label.rsplit("#", 1)[1]) if f"|{_HOOK}#" in label else -1,
                          "kind": kinds[block] if 0 <= block < len(kinds) else -1,
                          **{name: {t: float(v) for t, v in c.items()} for name, c in fitted.items()}})
     return instants
@@ -349,7 +355,8 @@ class BackwardInstant(NamedTuple):
     weight_copies: int
     grads_pending: int  # of those, in .grad with their post-accumulate-grad hook not yet finished
     grads_hooked: int   # made and hooked (DeepSpeed: copied into its buckets)
-    hook: bool = False  # the moment a gradient hook runs (the node that made it has released its inputs)
+    hook: int = -1   # the k-th gradient hook moment of its part (the node that made it has released its inputs)
+    layer: int = -1  # the full model's layer this block instant stands for (-1: head or embedding part)
 
 
 class ForwardInstant(NamedTuple):
@@ -367,6 +374,7 @@ class TracedStep(NamedTuple):
     head_grads: int
     embedding_grads: int
     all_grads: int
+    hook_sequence: tuple = ()  # ((part, layer, k, elements), ...): every gradient hook of the full model, in order
 
 
 @lru_cache(maxsize=1024)
@@ -388,15 +396,18 @@ def full_depth_instants(spec, regime: str, attention: str, lora, checkpointing: 
     backward = []
     top = len(reduced_kinds) - 1
     missing = sum(extra) > 0
+    layer_kinds = [kind for kind, run in spec.layer_kinds for _ in range(run)] or [0] * sum(full)
+    layers = len(layer_kinds)
     for instant in traced["instants"]:
         a, gc, gd, t, w, pending, hooked = (int(evaluate(instant[name], b, s)) for name in SERIES)
         part, end, index, hook = instant["part"], instant.get("end", False), instant["block"], instant["hook"]
-        if part != "pre":  # the missing blocks still ahead (below this block)
+        if part != "pre":  # the missing blocks still ahead (below this block): it is one of the top ones
+            layer = layers - 1 - top + index if part == "block" else -1
             backward.append(BackwardInstant(part, 0 <= index < top, index > 0 or missing, end,
-                                            a + ahead[0], gc, gd, t, w + ahead[1], pending, hooked, hook))
+                                            a + ahead[0], gc, gd, t, w + ahead[1], pending, hooked, hook, layer))
         if part != "post" and (missing or part == "pre"):  # the missing blocks done (above it)
             backward.append(BackwardInstant(part, index < top or missing, index > 0, end, a, gc, gd + behind, t, w,
-                                            pending, hooked + behind, hook))
+                                            pending, hooked + behind, hook, index if part == "block" else -1))
     forward = []
     for instant in traced["forward_instants"]:
         a, t, w = (int(evaluate(instant[name], b, s)) for name in FORWARD_SERIES)
@@ -406,4 +417,18 @@ def full_depth_instants(spec, regime: str, attention: str, lora, checkpointing: 
         if part != "post":  # the missing blocks still to run
             forward.append(ForwardInstant(part, a, t, w))
     head, embedding = int(traced["head_grads"]), int(traced["embedding_grads"])
-    return TracedStep(tuple(backward), tuple(forward), head, embedding, head + embedding + int(sum(grads)) + behind)
+    return TracedStep(tuple(backward), tuple(forward), head, embedding, head + embedding + int(sum(grads)) + behind,
+                      _hook_sequence(traced.get("hook_sizes") or {}, reduced_kinds, layer_kinds))
+
+
+def _hook_sequence(sizes: dict, reduced_kinds: list, layer_kinds: list) -> tuple:
+    """Every gradient hook of the full model in backward order: the head's part, the layers from the top
+    (each as the traced block of its kind), the embedding's part."""
+    by_kind = {}
+    for index, kind in enumerate(reduced_kinds):
+        by_kind.setdefault(kind, sizes.get(str(index), []))
+    out = [("post", -1, k, n) for k, n in enumerate(sizes.get("post", []))]
+    for layer in range(len(layer_kinds) - 1, -1, -1):
+        out += [("block", layer, k, n) for k, n in enumerate(by_kind.get(layer_kinds[layer], []))]
+    out += [("pre", -1, k, n) for k, n in enumerate(sizes.get("pre", []))]
+    return tuple(out)

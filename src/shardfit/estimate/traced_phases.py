@@ -18,6 +18,7 @@ The largest instant wins; its split is the estimate's.
 from __future__ import annotations
 
 from shardfit.spec.fsdp_units import separate_embedding_units
+from shardfit.estimate import zero_partitions
 from shardfit.spec.plan import is_deepspeed_kind
 
 ONE_DEVICE = ("single", "ddp")
@@ -124,12 +125,19 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
     s = plan.strategy
     # Elements per traced gradient byte: ZeRO runs a 16-bit model under bf16 / fp16.
     per_byte = 1 / (4 if plan.training.precision == "fp32" else 2)
+    last_pre_hook = max((k for part, _, k, _ in step.hook_sequence if part == "pre"), default=-1)
+    reductions, first = {}, None
+    if buf.grads_early is not None and (s.kind == "zero2" or s.overlap_comm) and not s.offload_optimizer:
+        reductions, first = zero_partitions.bucket_reductions(step.hook_sequence, s.reduce_bucket_size)
     for i in step.backward:
         # Each gradient hook copies its .grad into the bucket: until its hook finishes a gradient is in
         # .grad (the first hook allocates the buckets beside it); the hooked ones were reduced.
         made = i.grads_hooked * per_byte
-        if buf.grads_early is not None:  # ZeRO-1/2: the flat partition from the first reduction on
-            grads = grads_persistent or (buf.grads_early if made >= s.reduce_bucket_size else 0)
+        reduced = reductions.get((i.part, i.layer, i.hook), 0) if i.hook >= 0 else 0
+        if buf.grads_early is not None:  # ZeRO-1/2: the gradient buffer from the first reduction on
+            done = made >= (first if first is not None else s.reduce_bucket_size)
+            # (at the first reduction's own moment the buffer is not there yet: it follows the copy)
+            grads = grads_persistent or (buf.grads_early if done and not (reduced and made <= first) else 0)
             grads += i.grads_pending
         else:
             # NOTE: ZeRO-3 measured without the pending gradients: the assumed module gradient
@@ -139,9 +147,10 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
         # The head's backward holds no other unit's buffers.
         temps = i.temporaries + i.weight_copies + (buf.start if made == 0 else buf.inside if i.part == "post"
                                                    else _moment(i, buf))
-        yield i, (i.activations, grads, temps)
-        if i.part == "pre" and i.hook:
+        # ZeRO-1/2: a hook that reduces the full bucket first holds its flat copy.
+        yield i, (i.activations, grads, temps + int(reduced / per_byte))
+        if i.part == "pre" and i.hook >= 0 and i.hook == last_pre_hook:
             # ZeRO-3's last reductions, at the embedding's hook and after it: two flat copies of the
             # bucket's gradients beside the one waiting (a 16-bit model under bf16 / fp16).
-            for reduced, waiting in buf.last_flushes:
-                yield i, (i.activations, grads + int(waiting / per_byte), temps + 2 * int(reduced / per_byte))
+            for flushed, waiting in buf.last_flushes:
+                yield i, (i.activations, grads + int(waiting / per_byte), temps + 2 * int(flushed / per_byte))

@@ -80,3 +80,21 @@ def zero3_last_flushes(param_order: tuple, bucket: int) -> tuple[tuple[int, int]
         fill += n
     flushes.append((fill, 0))
     return tuple(flushes[-2:])
+
+
+def bucket_reductions(hook_sequence: tuple, bucket: int) -> tuple[dict, int]:
+    """({(part, layer, k): elements reduced} for every hook that finds its gradient does not fit beside
+    the bucket's and reduces the bucket first, the elements hooked once the first reduction is done).
+    ZeRO-1/2 (`reduce_independent_p_g_buckets_and_remove_grads`: `elements + numel > reduce_bucket_size`):
+    the reduction (`average_tensor` -> `allreduce_bucket`) flattens the bucket's gradients into one new
+    tensor while the hooked gradient waits in .grad; only then does `copy_grads_in_partition` allocate
+    the gradient buffer, so the first reduction's copy and the buffer are never alive together."""
+    fill, hooked, first, out = 0, 0, None, {}
+    for part, layer, k, n in hook_sequence:
+        if fill + n > bucket and fill > 0:
+            out[(part, layer, k)] = fill
+            fill = 0
+            first = hooked + n if first is None else first
+        fill += n
+        hooked += n
+    return out, first
