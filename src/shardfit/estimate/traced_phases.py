@@ -10,9 +10,10 @@ goes at each instant and which engine buffers are alive beside it (estimate/buff
   the embedding and head as units of their own reduces the head's right after its backward).
 - DeepSpeed ZeRO-1/2/3: each gradient is copied into the reduction bucket in its post-accumulate-grad
   hook and dropped, so a gradient stays in .grad only until its hook finishes (the first hook
-  allocates the buckets beside it); the flat gradient partition exists from the first bucket
-  reduction on, which comes once reduce_bucket_size gradient elements were hooked (ZeRO-3's partition
-  from the start).
+  allocates the buckets beside it). A hook whose gradient does not fit beside the bucket's reduces the
+  bucket first, through a flat copy of it (ZeRO-1/2: one copy, replayed over the full model's hooks,
+  zero_partitions.bucket_reductions; ZeRO-3: two, at its last reductions). ZeRO-1/2's gradient buffer
+  exists once the first reduction is done (ZeRO-3's partition from the start).
 The largest instant wins; its split is the estimate's.
 """
 from __future__ import annotations
