@@ -213,7 +213,7 @@ def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec, r
     b = Buffers(bucket, bucket + held + mod_grad)
     b.fwd_block = b.fwd_loss = bucket + held
     b.last = bucket + live + mod_grad  # the first block's backward: what was kept above it is released
-    if model.param_order and sum(n * r for _, g, r in model.param_order for n in g) == trained:
+    if zero_partitions.covers(model.param_order, trained):
         b.last_flushes = zero_partitions.zero3_last_flushes(model.param_order, s.reduce_bucket_size)
     b.opt = bucket
     if not s.offload_optimizer:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from shardfit.estimate import activations as act
-from shardfit.estimate import backward_timeline
+from shardfit.estimate import traced_step
 from shardfit.estimate import traced_phases
 from shardfit.estimate import chunked_loss as closs
 from shardfit.estimate import selective as sel
@@ -111,7 +111,7 @@ class Activations:
     weight_copies_forward: int = 0   # ...and until forward ends
     traced_inside: list = field(default_factory=list)  # (activations, temporaries) inside the last block
     # The traced step's peak instants at full depth (estimate/backward_timeline.py); None: not traced
-    traced_step: backward_timeline.TracedStep | None = None
+    traced_step: traced_step.TracedStep | None = None
 
     @property
     def last_block(self) -> int:
@@ -206,7 +206,7 @@ def _activations(model, kind: str, training, device: str, record: Recorder | Non
 
 
 def _traced_step(model, kind: str, training, regime: str, lora, acts: Activations,
-                 record: Recorder | None) -> backward_timeline.TracedStep | None:
+                 record: Recorder | None) -> traced_step.TracedStep | None:
     """The traced backward and forward instants of a derived spec at the plan's shape
     (estimate/backward_timeline.py); None where they do not apply (hand-written families, the chunked
     loss, per-layer checkpointing, a quantized base, LoRA under a sharding engine, whose frozen
@@ -233,7 +233,7 @@ def _traced_step(model, kind: str, training, regime: str, lora, acts: Activation
     casts = int(profile.weight_copies) if regime == "autocast" else 0
     key_lora = None if lora is None else (lora.rank, tuple(lora.target_modules), lora.base_dtype)
     try:
-        step = backward_timeline.full_depth_instants(model, regime, training.attention, key_lora, mode,
+        step = traced_step.full_depth_instants(model, regime, training.attention, key_lora, mode,
                                                      seq > (window_of(model) or seq), training.micro_batch, seq,
                                                      ahead, casts if mode == "none" else 0, casts)
         if record:

@@ -155,8 +155,7 @@ def _zero12_layout(states: States, model, facts: ModelFacts, partition_bytes: in
     optimizer step peaks at the norm, the flattening or the update, whichever is largest on some rank."""
     buf = states.buffers
     buf.grads_early = partition_bytes
-    sizes = sum(n * repeat for _, group, repeat in model.param_order for n in group)
-    if not partition_bytes or not model.param_order or sizes != facts.trained:
+    if not partition_bytes or not zero_partitions.covers(model.param_order, facts.trained):
         return  # offloaded (no device gradient buffer), LoRA, or no layout: the partition
     whole = lp * zero_partitions.grads_in_partition_elements(model.param_order, world)
     buf.grads_early = max(whole, partition_bytes)

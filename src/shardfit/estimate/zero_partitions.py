@@ -21,6 +21,11 @@ def _sizes(param_order: tuple) -> list[int]:
     return [n for _, sizes, repeat in param_order for _ in range(repeat) for n in sizes]
 
 
+def covers(param_order: tuple, trained: int) -> bool:
+    """Whether the layout is known and is what the optimizer trains (not LoRA, nothing frozen)."""
+    return bool(param_order) and sum(n * repeat for _, sizes, repeat in param_order for n in sizes) == trained
+
+
 @lru_cache(maxsize=256)
 def rank_layouts(param_order: tuple, world: int) -> tuple[tuple[int, int], ...]:
     """Per rank: (elements of its `grads_in_partition` buffer, the largest piece of a parameter inside
