@@ -68,9 +68,10 @@ def test_selective_keeps_matmul_and_attention_outputs_only():
     q, kv, h, inter, heads = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size, \
         spec.intermediate_size, spec.num_heads
     assert selective_kept(spec, "fp32", "sdpa", None) == (4 * (q + kv + inter + h) + 4 * q + 4 * heads, 0)
-    # GPT-2's Conv1D runs addmm, which the policy does not keep; its CPU attention under dropout is the
-    # math path: SAC keeps nothing but the block input there.
-    assert selective_kept(model_spec_for("tiny-gpt2"), "fp32", "sdpa", None)[0] == 0
+    # GPT-2's Conv1D runs addmm (a matmul with its bias): the policy keeps every other one, c_attn and
+    # c_fc; its CPU attention under dropout is the math path, whose matmuls are bmm: not kept.
+    gpt2 = model_spec_for("tiny-gpt2")
+    assert selective_kept(gpt2, "fp32", "sdpa", None) == (4 * (3 * gpt2.hidden_size + gpt2.intermediate_size), 0)
 
 
 SHIPPED = ["tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-gemma2", "tiny-gpt2", "tiny-bert", "llama-3.1-8b"]

@@ -131,7 +131,7 @@ def selective_checkpoint_wrapper(module):
         counts = defaultdict(int)
 
         def policy(ctx, func, *args, **kwargs):
-            if func is aten.mm.default:
+            if func in (aten.mm.default, aten.addmm.default):  # a matmul, with or without its bias
                 counts[ctx.is_recompute] += 1
                 saved = counts[ctx.is_recompute] % 2 == 1
             else:

@@ -29,7 +29,7 @@ from shardfit import sac
 from shardfit.errors import ShardfitError
 from shardfit.estimate.derived import (cached_set, evaluate, grouped_mm_on_fake_tensors, lora_key,
                                        reduced_model, run_trace, solve_exact, traced_run_failed)
-from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
+from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key, torch_linear
 
 SERIES = ("activations", "grads_current", "grads_done", "temporaries", "weight_copies", "grads_pending",
           "grads_hooked")
@@ -131,12 +131,19 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
         if state["phase"] == "backward":
             state["depth"] = max(0, state["depth"] - 1)
 
-    def block_start(_module, _args, index):
-        if state["phase"] == "forward":
-            state["part"] = index
+    def block_start(_module, args, kwargs, index):
+        if state["phase"] != "forward":
+            return
+        state["part"] = index
+        # The first block's backward ends when its input's gradient is ready: what runs between the
+        # embedding and the first block (OPT's input projection and positions, Bloom's embedding norm)
+        # is the embedding's part, not the block's.
+        hidden = next((t for t in (*args, kwargs.get("hidden_states")) if isinstance(t, torch.Tensor)), None)
+        if index == 0 and hidden is not None and hidden.requires_grad:
+            hidden.register_hook(enter("pre"))
 
     for index, block in enumerate(blocks):
-        block.register_forward_pre_hook(lambda m, a, i=index: block_start(m, a, i))
+        block.register_forward_pre_hook(lambda m, a, k, i=index: block_start(m, a, k, i), with_kwargs=True)
         block.register_forward_hook(lambda m, a, o, i=index: block_output(m, a, o, i))
     model.get_input_embeddings().register_forward_hook(embedding_output)
     for module in model.modules():
@@ -184,7 +191,7 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
                          hook_sizes={})
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
-                with masks_as_in_eager(), grouped_mm_on_fake_tensors(), recorder:
+                with masks_as_in_eager(), torch_linear(), grouped_mm_on_fake_tensors(), recorder:
                     with amp:
                         ids = torch.randint(0, vocab, (b, s))
                         loss = model(input_ids=ids, labels=ids).loss

@@ -22,7 +22,9 @@ class FsdpParts(NamedTuple):
     """FSDP1 / FSDP2 buffers (bytes per rank) that the traced step's instants combine: the root's
     gathered weights, one gathered unit and the two a unit's backward holds (itself + the prefetched
     next), every unit when none reshards after forward, the embedding unit (torchtitan's wrapping), the
-    reduce-scatter input FSDP2 still holds of the last unit / of the head, one unit's reduce-scatter."""
+    reduce-scatter input FSDP2 still holds of the last unit / of the head; a unit's reduce-scatter
+    (its inputs, temporaries; its output shard, a gradient); at the end of backward, the weights still
+    gathered and the root's (or the embedding unit's) reduce-scatter the same way."""
     root: int
     unit: int
     units: int
@@ -32,6 +34,10 @@ class FsdpParts(NamedTuple):
     held_unit: int
     held_head: int
     unit_reduce: int
+    unit_shard: int
+    end_held: int
+    end_reduce: int
+    end_shard: int
 
 
 class Buffers:
@@ -53,10 +59,11 @@ class Buffers:
 
 
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
-                 checkpoint, rec, lora_unit=None, lora=None) -> Buffers:
+                 checkpoint, rec, lora_unit=None, lora=None, backend_copy: bool = False) -> Buffers:
     """FSDP1 / FSDP2 with the blocks wrapped and the root holding embeddings, final norm and head.
     Under LoRA (`lora_unit`: adapter elements per block) the frozen root reduces nothing, and FSDP2
-    reduces only the adapters (estimate/lora_sharding.py)."""
+    reduces only the adapters (estimate/lora_sharding.py). backend_copy: the collectives run on gloo
+    (CPU), whose reduce-scatter works on a full-size copy of its input."""
     reshard = (s.sharding != "shard_grad_op") if kind == "fsdp" else s.reshard_after_forward
     units = embedding_unit_bytes(s, model, root, gather_bytes)
     # With the embedding and head in units of their own the root keeps the final norm only.
@@ -81,7 +88,8 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     head_grad = tmp.unsharded_grad_bytes(root_grads, gather_bytes) - end_extra
     # shardfit's engines reduce in fp32 under MixedPrecision (reduce_dtype=float32).
     reduce_b = 4 if precision in ("bf16", "fp16", "fp32") else 2
-    rs_b = tmp.reduce_scatter_bytes(reduced, shard, reduce_b, kind == "fsdp2" or reduce_b != grad_dtype)
+    input_copy = kind == "fsdp2" or reduce_b != grad_dtype
+    rs_b = tmp.reduce_scatter_bytes(reduced, shard, reduce_b, input_copy)
     b = Buffers()
     # FSDP1's forward_prefetch is off (torch's default; shardfit's engine leaves it): in forward it
     # gathers one unit at a time. FSDP2 issues the next unit's all-gather ahead in forward.
@@ -99,11 +107,20 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     # (FSDPParamGroup.reduce_scatter_state), so it lives through the next unit's backward; FSDP1 frees
     # its input once the shard is out.
     held = kind == "fsdp2" and lora_unit is None
+    # At the end the root reduces its gradients (resharded first), or, with the embedding as a unit of its
+    # own, the embedding unit reduces while the root and the embedding stay gathered.
+    end_elements = (0 if lora_unit is not None else model.vocab_size * model.hidden_size) if units is not None \
+        else root_grads
+    end_held = root_b + units[0] if units is not None else 0
     b.fsdp = FsdpParts(root=root_b, unit=one_unit, units=units_b, kept=kept,
                        embedding=units[0] if units is not None else 0, separate=units is not None,
                        held_unit=int(unit * reduce_b) if held else 0,
                        held_head=int(model.vocab_size * model.hidden_size * reduce_b) if held and units else 0,
-                       unit_reduce=rs_b)
+                       unit_reduce=tmp.reduce_scatter_input_bytes(reduced, reduce_b, input_copy, backend_copy),
+                       unit_shard=tmp.reduce_scatter_output_bytes(reduced, shard, reduce_b),
+                       end_held=end_held,
+                       end_reduce=tmp.reduce_scatter_input_bytes(end_elements, reduce_b, input_copy, backend_copy),
+                       end_shard=tmp.reduce_scatter_output_bytes(end_elements, shard, reduce_b))
     if kind == "fsdp" and not s.offload_params:
         b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
     # The optimizer's largest tensor: FSDP2 shards every param; FSDP1 (use_orig_params) hands it views

@@ -28,7 +28,7 @@ from functools import lru_cache
 from shardfit import sac
 from shardfit.errors import ShardfitError
 from shardfit.estimate.forward_timeline import Timeline, peak_instants
-from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key
+from shardfit.estimate.fake_tensors import masks_as_in_eager, materialize, storage_key, torch_linear
 from shardfit.spec import rank_config, spec_cache
 from shardfit.spec.derive import build_hf_model, find_blocks, quiet
 from shardfit.spec.tp_modules import between_region_norms, colwise_owners
@@ -258,7 +258,7 @@ def _trace(cfg, facts, regime, attention, lora, beyond_window=False) -> dict:
             recorder = Recorder(params if autocast else set(), timeline)
             amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
             try:
-                with (masks_as_in_eager(), grouped_mm_on_fake_tensors(),
+                with (masks_as_in_eager(), torch_linear(), grouped_mm_on_fake_tensors(),
                       torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp, recorder):
                     model(input_ids=input_ids, labels=input_ids)
             except (RuntimeError, NotImplementedError) as exc:

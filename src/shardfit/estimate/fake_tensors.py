@@ -14,6 +14,23 @@ def storage_key(tensor):
 
 
 @contextmanager
+def torch_linear():
+    """NOTE: DeepSpeed's zero.Init (run by ZeRO-3's initialize) replaces torch.nn.functional.linear
+    process-wide with its own autograd Function, and leaves it so. A derivation that runs in such a
+    process (the profiler's workers estimate after the engine is up) would trace that Function and
+    cache what it saves as the model's own: the trace runs torch's linear, whatever is installed."""
+    import torch
+    import torch.nn.functional as functional
+
+    installed = functional.linear
+    functional.linear = torch._C._nn.linear
+    try:
+        yield
+    finally:
+        functional.linear = installed
+
+
+@contextmanager
 def masks_as_in_eager():
     """NOTE: transformers treats a FakeTensor as "tracing" and then always materialises the causal
     mask (b x 1 x s x s), which also turns off SDPA's native GQA: the trace would save a mask and

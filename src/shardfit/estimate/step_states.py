@@ -117,7 +117,8 @@ def _engine_states(plan, acts, facts, shard, lp, largest, device, optimizer_impl
         states.optimizer, states.grads_full = st.optimizer, st.grads_full
         root = model.non_block_params if model.block_params else 0
         states.buffers = bufs.fsdp_buffers(kind, strategy, model, precision, shard, unit, root, largest,
-                                           _gather_bytes(plan, facts), st, impl, optimizer, checkpoint, term, lora_unit, lora)
+                                           _gather_bytes(plan, facts), st, impl, optimizer, checkpoint, term, lora_unit, lora,
+                                           backend_copy=device == "cpu")
         if record and strategy.offload_params:
             record.notes.append("FSDP CPU offload: sharded params, grads and optimizer live in pinned host RAM; "
                                 "the step runs on CPU")

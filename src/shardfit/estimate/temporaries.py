@@ -20,10 +20,23 @@ def unsharded_grad_bytes(unit_params: int, dtype_bytes: int) -> int:
     return int(unit_params * dtype_bytes)
 
 
-def reduce_scatter_bytes(unit_params: int, shard: int, reduce_bytes: int, input_copy: bool) -> int:
+def reduce_scatter_bytes(unit_params: int, shard: int, reduce_bytes: int, input_copy: bool,
+                         backend_copy: bool = False) -> int:
     # Source: FSDP1 casts the unsharded grad to reduce_dtype (a copy when it differs); FSDP2's
     # foreach_reduce always copies into a flat reduce_dtype input; the output is unit/S in reduce_dtype.
-    return int(unit_params * reduce_bytes * (1 if input_copy else 0) + unit_params / shard * reduce_bytes)
+    return reduce_scatter_input_bytes(unit_params, reduce_bytes, input_copy, backend_copy) \
+        + reduce_scatter_output_bytes(unit_params, shard, reduce_bytes)
+
+
+def reduce_scatter_input_bytes(unit_params: int, reduce_bytes: int, input_copy: bool, backend_copy: bool) -> int:
+    # Source: as above; gloo (CPU) has no native reduce-scatter: ProcessGroupGloo reduces a full-size
+    # copy of the input and keeps its rank's chunk (seen by the tracker inside reduce_scatter_single).
+    return int(unit_params * reduce_bytes * ((1 if input_copy else 0) + (1 if backend_copy else 0)))
+
+
+def reduce_scatter_output_bytes(unit_params: int, shard: int, reduce_bytes: int) -> int:
+    # The rank's reduced shard: the new sharded gradient (the tracker files it as grads).
+    return int(unit_params / shard * reduce_bytes)
 
 
 def all_units_gathered_bytes(total_params: int, dtype_bytes: int) -> int:

@@ -6,8 +6,11 @@ goes at each instant and which engine buffers are alive beside it (estimate/buff
 - one device, DDP: as traced; DDP's flat buckets beside (allocated at wrap time).
 - FSDP1 / FSDP2: the running unit's gradients are unsharded temporaries; a unit's gradients become
   shards (the gradients at rest, in the optimizer's dtype) once reduce-scattered at its end; the
-  head's and the embedding's stay unsharded until the root reduces at the end of backward (FSDP2 with
-  the embedding and head as units of their own reduces the head's right after its backward).
+  root's (head, embedding, positions, input projections) stay unsharded until the root reduces at
+  the end of backward (FSDP2 with the embedding and head as units of their own reduces the head's
+  right after its backward). A unit reshards before it reduces, so beside its reduce-scatter only the
+  next unit is gathered; FSDP1 holds the unsharded gradient through it, FSDP2 only its flat copy; on
+  gloo (device "cpu") the collective works on one more full-size copy of its input.
 - DeepSpeed ZeRO-1/2/3: each gradient is copied into the reduction bucket in its post-accumulate-grad
   hook and dropped, so a gradient stays in .grad only until its hook finishes (the first hook
   allocates the buckets beside it). A hook whose gradient does not fit beside the bucket's reduces the
@@ -104,22 +107,38 @@ def _fsdp(plan, step, buf, states, grads_persistent: int):
         # A reduced gradient's share of the gradients at rest (sharded, in the optimizer's dtype).
         return grads_persistent or int(states.grads_full * traced_bytes / total)
 
+    block_grads = step.all_grads - step.head_grads - step.embedding_grads
     for i in step.backward:
         head_done = step.head_grads if i.part != "post" else 0
-        blocks_done = i.grads_done - head_done
-        # The head's unsharded gradient waits for the root's reduction at the end, unless it is a unit.
+        # Inside the embedding's part every block is done; what it has made beyond them is the root's
+        # (positions, input projections, the tied embedding).
+        blocks_done = min(i.grads_done - head_done, block_grads)
+        embedding_done = i.grads_done - head_done - blocks_done
+        # The root's unsharded gradients wait for its reduction at the end; the head, as a unit of its
+        # own, is reduced at once.
         if separate:
-            grads, root_unsharded = sharded(blocks_done + head_done), 0
+            grads, root_unsharded = sharded(blocks_done + head_done), embedding_done
         else:
-            grads, root_unsharded = sharded(blocks_done), head_done
+            grads, root_unsharded = sharded(blocks_done), head_done + embedding_done
         unsharded = i.grads_current + root_unsharded
         moment = buf.start if i.part == "post" else _fsdp_moment(i, buf.fsdp)
         temps = i.temporaries + i.weight_copies + unsharded + moment
         yield i, (i.activations, grads, temps)
-        if i.end and i.part == "block":  # the unit's reduce-scatter: its flat input and output beside
-            yield i, (i.activations, grads, temps + buf.fsdp.unit_reduce)
-        if i.end and i.part == "pre":  # the root's reduction: its gathered weights resharded first
-            yield i, (i.activations, grads, i.temporaries + i.grads_current + root_unsharded + buf.end)
+        if not i.end or i.part == "post":
+            continue
+        # A unit reshards before it reduces. FSDP1 keeps the unsharded gradient through the collective;
+        # FSDP2 frees it (and the previous unit's flat input) once copied into its flat input. The
+        # reduce-scatter's inputs are temporaries, its output shard a gradient.
+        parts = buf.fsdp
+        fsdp1 = plan.strategy.kind == "fsdp"
+        if i.part == "block":  # beside it the root (its gradients waiting) and the next unit, prefetched
+            gathered = parts.kept or (parts.unit if i.below else parts.embedding if parts.separate else 0)
+            waiting = unsharded if fsdp1 else root_unsharded
+            yield i, (i.activations, grads + parts.unit_shard,
+                      i.temporaries + i.weight_copies + waiting + parts.root + gathered + parts.unit_reduce)
+        else:  # the root's reduction (the embedding unit's, the root and it still gathered)
+            yield i, (i.activations, grads + parts.end_shard,
+                      i.temporaries + (unsharded if fsdp1 else 0) + parts.end_held + parts.end_reduce)
 
 
 def _deepspeed(plan, step, buf, states, grads_persistent: int):

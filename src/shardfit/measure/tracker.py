@@ -41,7 +41,9 @@ def _zero():
 
 # SHARDFIT_PROFILE_DEBUG=BYTES: remember where each storage of at least BYTES was allocated, and
 # print the storages live at each phase's peak (what the calibration notes were written from).
+# SHARDFIT_PROFILE_DEBUG_FRAMES=N: N frames per site, torch's own included (which engine call allocated).
 _DEBUG_BYTES = int(float(os.environ.get("SHARDFIT_PROFILE_DEBUG", "0") or 0))
+_DEBUG_FRAMES = int(os.environ.get("SHARDFIT_PROFILE_DEBUG_FRAMES", "0") or 0)
 
 
 class _Record:
@@ -58,8 +60,8 @@ class _Record:
 
 def _allocation_site() -> str:
     frames = [f for f in traceback.extract_stack(limit=60)[:-3] if "shardfit/measure" not in f.filename
-              and "site-packages/torch/" not in f.filename]
-    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))
+              and (_DEBUG_FRAMES or "site-packages/torch/" not in f.filename)]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-(_DEBUG_FRAMES or 4):]))
 
 
 @dataclass
