@@ -13,9 +13,10 @@ the two ipg buffers is still allocated on a rank while it steps is a race betwee
 any model: +100 to +400 KB here), and so is whether a parameter larger than a bucket still has its own
 gradient beside its copy in the buffer: the step may read up to one of those more than predicted.
 
-ZeRO-3 on four settings, its step aside (its last bucket reductions: two flat copies of the bucket
-beside the embedding's gradient, estimate/zero_partitions.py). FSDP1/2 and ZeRO-3 figures over the
-full grid are benchmarks/bench_any_model.py's.
+ZeRO-3 on five settings, its step aside (its last bucket reductions: two flat copies of the bucket
+beside the embedding's gradient, estimate/zero_partitions.py; a tied head's partial gradient). FSDP1
+and FSDP2 on three settings each (a unit's reduce-scatter after its reshard, gloo's input copy, the
+root's gradients and all-gather output). The full grid's figures are benchmarks/bench_any_model.py's.
 """
 from __future__ import annotations
 
@@ -37,11 +38,14 @@ SETTINGS = [(p, ac) for p in ("fp32", "bf16") for ac in ("none", "full", "select
 # ZeRO-1/2: reduce_bucket_size elements per ipg buffer (x2 with overlap_comm, our default)
 SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
 KINDS = (("single", 1, 0), ("ddp", 2, 1), ("zero2", 2, 3), ("zero1", 2, 0))
-# ZeRO-3 on four settings (not rotated: Granite-MoE under checkpointing and OPT's tied embedding are
-# its open gaps, docs/estimator-calibration.md §14): load, forward and backward term by term; its step
-# is the engine matrix's (whether the persistent parameters stay gathered through step() is a race).
+# ZeRO-3 on five settings (not rotated: Granite-MoE under checkpointing is its open gap,
+# docs/estimator-calibration.md §15): load, forward and backward term by term; its step is the engine
+# matrix's (whether the persistent parameters stay gathered through step() is a race). FSDP1 / FSDP2
+# on the settings that hold their reduce-scatter and root mechanisms (calibration §15): every term.
 ZERO3 = (("gpt_neox", "fp32", "full"), ("qwen3", "fp32", "full"), ("falcon", "bf16", "selective"),
-         ("deepseek_v3", "fp32", "none"))
+         ("deepseek_v3", "fp32", "none"), ("opt", "fp32", "full"))
+FSDP = {"fsdp": (("opt", "bf16", "none"), ("opt", "fp32", "full"), ("granitemoe", "bf16", "none")),
+        "fsdp2": (("opt", "fp32", "none"), ("opt", "bf16", "full"), ("qwen3", "bf16", "selective"))}
 # Where the backward peak itself moves between identical runs: its split is not asserted, its total is.
 VARIES_BACKWARD = {
     # Inside the first block, as predicted (2 of 3 runs alone), or at the last bucket's reduction:
@@ -89,14 +93,15 @@ def results(tmp_path_factory):
         for line in (folder / f"{kind}.jsonl").read_text().splitlines():
             result = json.loads(line)
             out[result["label"]] = result
-    zero3 = [{"label": f"{arch}/zero3/{p}/ac-{ac}", "steps": 2, "plan": _plan(models[arch], "zero3", p, ac)}
-             for arch, p, ac in ZERO3]
-    (folder / "zero3.json").write_text(json.dumps(zero3))
-    launch.torchrun(["-m", "shardfit.measure.worker", str(folder / "zero3.json"), str(folder / "zero3.jsonl")],
-                    nproc=2, timeout=900, env=env)
-    for line in (folder / "zero3.jsonl").read_text().splitlines():
-        result = json.loads(line)
-        out[result["label"]] = result
+    for kind, settings in (("zero3", ZERO3), *FSDP.items()):
+        configs = [{"label": f"{arch}/{kind}/{p}/ac-{ac}", "steps": 2, "plan": _plan(models[arch], kind, p, ac)}
+                   for arch, p, ac in settings]
+        (folder / f"{kind}.json").write_text(json.dumps(configs))
+        launch.torchrun(["-m", "shardfit.measure.worker", str(folder / f"{kind}.json"), str(folder / f"{kind}.jsonl")],
+                        nproc=2, timeout=900, env=env)
+        for line in (folder / f"{kind}.jsonl").read_text().splitlines():
+            result = json.loads(line)
+            out[result["label"]] = result
     # The largest tensor's bytes (fp32) per architecture, from the specs the runs cached (torch-free).
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SHARDFIT_CACHE_DIR", env["SHARDFIT_CACHE_DIR"])
@@ -109,6 +114,7 @@ def results(tmp_path_factory):
 LABELS = [f"{arch}/{kind}/{SETTINGS[(i + offset + step) % len(SETTINGS)][0]}/ac-{SETTINGS[(i + offset + step) % len(SETTINGS)][1]}"
           for kind, _, offset in KINDS for i, arch in enumerate(ARCHITECTURES) for step in (0, 3)]
 LABELS += [f"{arch}/zero3/{p}/ac-{ac}" for arch, p, ac in ZERO3]
+LABELS += [f"{arch}/{kind}/{p}/ac-{ac}" for kind, settings in FSDP.items() for arch, p, ac in settings]
 
 
 @pytest.mark.parametrize("label", LABELS)

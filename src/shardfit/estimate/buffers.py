@@ -42,13 +42,15 @@ class FsdpParts(NamedTuple):
 
 class Buffers:
     """Temporaries (bytes per rank) at each moment, plus the grads some engines hold apart."""
-    __slots__ = ("rest", "fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end", "opt", "ckpt",
-                 "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late", "fsdp", "last_flushes")
+    __slots__ = ("rest", "fwd_pre", "fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end", "opt", "ckpt",
+                 "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late", "fsdp", "last_flushes",
+                 "module_grad", "embedding_part")
 
     def __init__(self, rest: int = 0, during: int | None = None):
         during = rest if during is None else during
         self.rest = self.ckpt = rest
         self.fwd_block = self.fwd_loss = self.start = self.inside = self.reduce = self.last = self.end = during
+        self.fwd_pre = None  # before the first block (the embedding's part), where it differs from fwd_block
         self.opt = rest
         self.head_grad = self.end_grads = self.grads_rest = 0
         self.grads_early = None  # grads once backward reaches the blocks, when allocated all at once
@@ -56,6 +58,8 @@ class Buffers:
         self.head_grad_late = None
         self.fsdp: FsdpParts | None = None  # FSDP's buffers one by one, for the traced step's instants
         self.last_flushes: tuple = ()  # ZeRO-3: (elements reduced, elements waiting) of its last reductions
+        self.module_grad = 0  # ZeRO-3: the gathered module's gradient assumed in `inside` (its largest)
+        self.embedding_part = None  # ZeRO-3: in the embedding's backward (the last modules), else `last`
 
 
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
@@ -94,6 +98,9 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     # FSDP1's forward_prefetch is off (torch's default; shardfit's engine leaves it): in forward it
     # gathers one unit at a time. FSDP2 issues the next unit's all-gather ahead in forward.
     b.fwd_block = root_b + (one_unit if kind == "fsdp" and reshard else units_b)
+    # FSDP2 holds a unit's all-gather output in forward until the next unit's copy-out
+    # (FSDPParamGroup.wait_for_unshard): as the first block gathers, the root's is still there.
+    b.fwd_pre = b.fwd_block + (root_b if kind == "fsdp2" else 0)
     b.fwd_loss = root_b + (kept or (one_unit if kind == "fsdp2" else 0))  # FSDP2 still holds one unit
     b.start = root_b + (kept or one_unit)  # the last block's unit is prefetched
     b.inside = root_b + units_b  # current + prefetched unit (+ the activation grads, added later)
@@ -171,6 +178,7 @@ def _separate_units(b: Buffers, units, root_b: int, one_unit: int, units_b: int,
     embed_b, head_b = units
     embed_kept = embed_b if kept else 0  # reshard_after_forward off: the embedding stays gathered too
     b.fwd_block += embed_kept
+    b.fwd_pre = b.fwd_block + embed_b  # the embedding unit's all-gather output, held as the first block gathers
     b.fwd_loss = root_b + embed_kept + head_b + kept + head_b
     # The last block is prefetched by the head's pre-backward, which runs after the loss's backward: while
     # the loss's gradient buffers are live (backward's start) it is not gathered yet.
@@ -230,6 +238,17 @@ def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec, r
     b = Buffers(bucket, bucket + held + mod_grad)
     b.fwd_block = b.fwd_loss = bucket + held
     b.last = bucket + live + mod_grad  # the first block's backward: what was kept above it is released
+    b.module_grad = mod_grad
+    if model.param_order and len(model.param_order) > 1:
+        # Inside a block the module gradient is at most the block's largest (derived specs know the
+        # layout: the root first, then the blocks), not the embedding's or the head's.
+        threshold = s.param_persistence_threshold
+        block_np = max((n for _, sizes, _ in model.param_order[1:] for n in sizes if n >= threshold), default=0)
+        block_grad = tmp.zero3_module_grad_bytes(min(block_np, largest_np), lp)
+        b.inside += block_grad - mod_grad
+        b.last += block_grad - mod_grad
+    # The embedding's backward is the last: nothing is left to prefetch beside the module it gathers.
+    b.embedding_part = bucket + min(largest_np, gatherable) * lp + mod_grad
     if zero_partitions.covers(model.param_order, trained):
         b.last_flushes = zero_partitions.zero3_last_flushes(model.param_order, s.reduce_bucket_size)
     b.opt = bucket

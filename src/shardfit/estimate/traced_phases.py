@@ -38,7 +38,8 @@ def forward_peak(step, buf) -> tuple[int, int]:
     """(activations, temporaries) at the largest traced forward instant: autocast's casts and the
     loss's logits and label copies are in the trace (it ran the model's own loss); the engine's
     gathered units or buckets beside them."""
-    moment = {"pre": buf.fwd_block, "block": buf.fwd_block, "post": buf.fwd_loss}
+    moment = {"pre": buf.fwd_block if buf.fwd_pre is None else buf.fwd_pre, "block": buf.fwd_block,
+              "post": buf.fwd_loss}
     best = (0, 0)
     for instant in step.forward:
         candidate = (instant.activations, instant.temporaries + instant.weight_copies + moment[instant.part])
@@ -69,12 +70,13 @@ def backward_peak(plan, step, buf, states, grads_persistent: int) -> tuple[int, 
 
 def _moment(instant, buf) -> int:
     """The engine's buffers at this instant: backward's start (the head), inside a block with another
-    still below it (the next unit prefetched), inside the first block, the embedding's backward."""
+    still below it (the next unit prefetched), inside the first block, the embedding's backward
+    (ZeRO-3: the embedding gathered, nothing left to prefetch)."""
     if instant.part == "post":
         return buf.start
     if instant.part == "block":
         return buf.inside if instant.below else buf.last
-    return buf.last
+    return buf.last if buf.embedding_part is None else buf.embedding_part
 
 
 def _fsdp_moment(instant, parts) -> int:
@@ -161,12 +163,18 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
             grads += i.grads_pending
         else:
             # NOTE: ZeRO-3 measured without the pending gradients: the assumed module gradient
-            # (buffers.zero3_buffers) stands for them inside blocks; with a tied embedding it is the
-            # trace's partial gradient counted twice (OPT +10%; calibration §14).
+            # (buffers.zero3_buffers) stands for them (calibration §14).
             grads = grads_persistent
-        # The head's backward holds no other unit's buffers.
-        temps = i.temporaries + i.weight_copies + (buf.start if made == 0 else buf.inside if i.part == "post"
-                                                   else _moment(i, buf))
+        # The head's backward holds no other unit's buffers. A tied head makes no module gradient of its
+        # own there: its weight's gradient waits, partial, in autograd's input buffer until the
+        # embedding adds its share (the trace has it among the temporaries already).
+        tied = buf.module_grad if plan.model.tie_embeddings and i.part == "post" else 0
+        if i.part == "pre" and buf.embedding_part is not None:
+            # ZeRO-3 in the embedding's backward: the module gradient is the one the trace has made so
+            # far (a tied embedding's sum exists only once both shares are in).
+            tied = buf.module_grad - min(buf.module_grad, i.grads_current)
+        temps = i.temporaries + i.weight_copies - tied + (buf.start if made == 0 else buf.inside if i.part == "post"
+                                                          else _moment(i, buf))
         # ZeRO-1/2: a hook that reduces the full bucket first holds its flat copy.
         yield i, (i.activations, grads, temps + int(reduced / per_byte))
         if i.part == "pre" and i.hook >= 0 and i.hook == last_pre_hook:
