@@ -13,8 +13,8 @@ the two ipg buffers is still allocated on a rank while it steps is a race betwee
 any model: +100 to +400 KB here), and so is whether a parameter larger than a bucket still has its own
 gradient beside its copy in the buffer: the step may read up to one of those more than predicted.
 
-ZeRO-3 on five settings, its step aside (its last bucket reductions: two flat copies of the bucket
-beside the embedding's gradient, estimate/zero_partitions.py; a tied head's partial gradient). FSDP1
+ZeRO-3 on six settings, its step aside (its bucket reductions: a flat copy of the bucket, and gloo's
+copy of it, beside the gradient waiting, estimate/zero_partitions.py; a tied head's partial gradient). FSDP1
 and FSDP2 on three settings each (a unit's reduce-scatter after its reshard, gloo's input copy, the
 root's gradients and all-gather output). The full grid's figures are benchmarks/bench_any_model.py's.
 """
@@ -38,12 +38,12 @@ SETTINGS = [(p, ac) for p in ("fp32", "bf16") for ac in ("none", "full", "select
 # ZeRO-1/2: reduce_bucket_size elements per ipg buffer (x2 with overlap_comm, our default)
 SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
 KINDS = (("single", 1, 0), ("ddp", 2, 1), ("zero2", 2, 3), ("zero1", 2, 0))
-# ZeRO-3 on five settings (not rotated: Granite-MoE under checkpointing is its open gap,
-# docs/estimator-calibration.md §15): load, forward and backward term by term; its step is the engine
-# matrix's (whether the persistent parameters stay gathered through step() is a race). FSDP1 / FSDP2
-# on the settings that hold their reduce-scatter and root mechanisms (calibration §15): every term.
+# ZeRO-3 on six settings (docs/estimator-calibration.md §15: its bucket reductions mid-backward, a
+# tied head): load, forward and backward term by term; its step is the engine matrix's (whether the
+# persistent parameters stay gathered through step() is a race). FSDP1 / FSDP2 on the settings that
+# hold their reduce-scatter and root mechanisms (calibration §15): every term.
 ZERO3 = (("gpt_neox", "fp32", "full"), ("qwen3", "fp32", "full"), ("falcon", "bf16", "selective"),
-         ("deepseek_v3", "fp32", "none"), ("opt", "fp32", "full"))
+         ("deepseek_v3", "fp32", "none"), ("opt", "fp32", "full"), ("granitemoe", "fp32", "full"))
 FSDP = {"fsdp": (("opt", "bf16", "none"), ("opt", "fp32", "full"), ("granitemoe", "bf16", "none")),
         "fsdp2": (("opt", "fp32", "none"), ("opt", "bf16", "full"), ("qwen3", "bf16", "selective"))}
 # Where the backward peak itself moves between identical runs: its split is not asserted, its total is.

@@ -44,7 +44,7 @@ class Buffers:
     """Temporaries (bytes per rank) at each moment, plus the grads some engines hold apart."""
     __slots__ = ("rest", "fwd_pre", "fwd_block", "fwd_loss", "start", "inside", "reduce", "last", "end", "opt", "ckpt",
                  "head_grad", "end_grads", "grads_rest", "grads_early", "head_grad_late", "fsdp", "last_flushes",
-                 "module_grad", "embedding_part")
+                 "module_grad", "embedding_part", "reduce_copies")
 
     def __init__(self, rest: int = 0, during: int | None = None):
         during = rest if during is None else during
@@ -60,6 +60,7 @@ class Buffers:
         self.last_flushes: tuple = ()  # ZeRO-3: (elements reduced, elements waiting) of its last reductions
         self.module_grad = 0  # ZeRO-3: the gathered module's gradient assumed in `inside` (its largest)
         self.embedding_part = None  # ZeRO-3: in the embedding's backward (the last modules), else `last`
+        self.reduce_copies = 1  # ZeRO-3: full copies of the bucket a reduction holds (gloo: 2)
 
 
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
@@ -220,7 +221,9 @@ def single_buffers(model, st, impl, optimizer, largest) -> Buffers:
     return b
 
 
-def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec, recomputes: bool = False) -> Buffers:
+def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec, recomputes: bool = False,
+                  backend_copy: bool = False) -> Buffers:
+    """backend_copy: the collectives run on gloo, whose reduce-scatter copies its input once more."""
     bucket = tmp.zero3_ipg_bucket_bytes(s.reduce_bucket_size, lp)
     # Persistent params are never gathered: only the others are fetched module by module.
     if model.has_shape:
@@ -251,6 +254,9 @@ def zero3_buffers(s, model, trained, world, lp, largest, impl, optimizer, rec, r
     b.embedding_part = bucket + min(largest_np, gatherable) * lp + mod_grad
     if zero_partitions.covers(model.param_order, trained):
         b.last_flushes = zero_partitions.zero3_last_flushes(model.param_order, s.reduce_bucket_size)
+    # A reduction (stage3 __avg_scatter_grads -> reduce_scatter_coalesced) flattens the bucket's
+    # gradients into one buffer, then reduce-scatters it.
+    b.reduce_copies = 2 if backend_copy else 1
     b.opt = bucket
     if not s.offload_optimizer:
         sub = min(int(trained / world), sts.ZERO3_SUB_GROUP_SIZE)

@@ -128,7 +128,8 @@ def _engine_states(plan, acts, facts, shard, lp, largest, device, optimizer_impl
         states.buffers = bufs.single_buffers(model, st, impl, optimizer, largest)
     elif kind == "zero3":
         states.buffers = bufs.zero3_buffers(strategy, model, facts.trained, world, lp, largest, impl, optimizer, term,
-                                            recomputes=training.activation_checkpointing != "none")
+                                            recomputes=training.activation_checkpointing != "none",
+                                            backend_copy=device == "cpu")
     else:
         states.buffers = bufs.zero12_buffers(strategy, st, facts.trained, world, lp, largest, impl, optimizer,
                                              states.host, term)

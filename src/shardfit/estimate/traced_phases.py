@@ -14,9 +14,12 @@ goes at each instant and which engine buffers are alive beside it (estimate/buff
 - DeepSpeed ZeRO-1/2/3: each gradient is copied into the reduction bucket in its post-accumulate-grad
   hook and dropped, so a gradient stays in .grad only until its hook finishes (the first hook
   allocates the buckets beside it). A hook whose gradient does not fit beside the bucket's reduces the
-  bucket first, through a flat copy of it (ZeRO-1/2: one copy, replayed over the full model's hooks,
-  zero_partitions.bucket_reductions; ZeRO-3: two, at its last reductions). ZeRO-1/2's gradient buffer
-  exists once the first reduction is done (ZeRO-3's partition from the start).
+  bucket first, through a flat copy of it (replayed over the full model's hooks,
+  zero_partitions.bucket_reductions; ZeRO-3's reduce-scatter on gloo copies it once more, and its last
+  reductions come at the embedding's hook and after it). ZeRO-1/2's gradient buffer exists once the
+  first reduction is done (ZeRO-3's partition from the start). ZeRO-3's assumed module gradient is
+  none at a tied head (its gradient waits, partial, in autograd's input buffer), the trace's own in
+  the embedding's part, at most the block's largest parameter's inside a block.
 The largest instant wins; its split is the estimate's.
 """
 from __future__ import annotations
@@ -149,8 +152,10 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
     per_byte = 1 / (4 if plan.training.precision == "fp32" else 2)
     last_pre_hook = max((k for part, _, k, _ in step.hook_sequence if part == "pre"), default=-1)
     reductions, first = {}, None
-    if buf.grads_early is not None and (s.kind == "zero2" or s.overlap_comm) and not s.offload_optimizer:
+    zero3 = buf.grads_early is None and bool(buf.last_flushes)  # ZeRO-3 with its layout known
+    if ((buf.grads_early is not None and (s.kind == "zero2" or s.overlap_comm)) or zero3) and not s.offload_optimizer:
         reductions, first = zero_partitions.bucket_reductions(step.hook_sequence, s.reduce_bucket_size)
+    hooked_elements = {(part, layer, k): n for part, layer, k, n in step.hook_sequence}
     for i in step.backward:
         # Each gradient hook copies its .grad into the bucket: until its hook finishes a gradient is in
         # .grad (the first hook allocates the buckets beside it); the hooked ones were reduced.
@@ -175,10 +180,18 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
             tied = buf.module_grad - min(buf.module_grad, i.grads_current)
         temps = i.temporaries + i.weight_copies - tied + (buf.start if made == 0 else buf.inside if i.part == "post"
                                                           else _moment(i, buf))
-        # ZeRO-1/2: a hook that reduces the full bucket first holds its flat copy.
-        yield i, (i.activations, grads, temps + int(reduced / per_byte))
+        if not zero3:  # ZeRO-1/2: a hook that reduces the full bucket first holds its flat copy
+            yield i, (i.activations, grads, temps + int(reduced / per_byte))
+            continue
+        yield i, (i.activations, grads, temps)
+        # ZeRO-3's reductions: a hook whose gradient does not fit beside the bucket's reduces it first
+        # (the same rule), through a flat copy of its gradients (and gloo's copy of that) beside the
+        # gradient waiting in .grad; the last ones at the embedding's hook and after it (a 16-bit model
+        # under bf16 / fp16).
         if i.part == "pre" and i.hook >= 0 and i.hook == last_pre_hook:
-            # ZeRO-3's last reductions, at the embedding's hook and after it: two flat copies of the
-            # bucket's gradients beside the one waiting (a 16-bit model under bf16 / fp16).
             for flushed, waiting in buf.last_flushes:
-                yield i, (i.activations, grads + int(waiting / per_byte), temps + 2 * int(flushed / per_byte))
+                yield i, (i.activations, grads + int(waiting / per_byte),
+                          temps + buf.reduce_copies * int(flushed / per_byte))
+        elif reduced:
+            yield i, (i.activations, grads + int(hooked_elements[(i.part, i.layer, i.hook)] / per_byte),
+                      temps + buf.reduce_copies * int(reduced / per_byte))

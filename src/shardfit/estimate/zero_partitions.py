@@ -75,8 +75,9 @@ def zero3_last_flushes(param_order: tuple, bucket: int) -> tuple[tuple[int, int]
     parameter does not fit beside the bucket's `elements`), and the epilogue's of what is left.
     Source (DeepSpeed 0.19, stage3.py): `reduce_independent_p_g_buckets_and_remove_grads` reduces the
     bucket first when `elements + ds_numel > reduce_bucket_size` (and it is not empty); the reduction
-    (`__avg_scatter_grads` -> `reduce_scatter_coalesced`) holds two flat copies of the bucket's
-    gradients. The hooks run in backward order: the parameters in reverse, the embedding's last."""
+    (`__avg_scatter_grads` -> `reduce_scatter_coalesced`) holds a flat copy of the bucket's gradients
+    (and gloo's reduce-scatter one more). The hooks run in backward order: the parameters in reverse,
+    the embedding's last; the reductions before these are bucket_reductions' (the same rule)."""
     fill, flushes = 0, []
     for n in reversed(_sizes(param_order)):
         if fill + n > bucket and fill > 0:
