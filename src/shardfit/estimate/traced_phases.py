@@ -173,13 +173,13 @@ def _deepspeed(plan, step, buf, states, grads_persistent: int):
         # The head's backward holds no other unit's buffers. A tied head makes no module gradient of its
         # own there: its weight's gradient waits, partial, in autograd's input buffer until the
         # embedding adds its share (the trace has it among the temporaries already).
-        tied = buf.module_grad if plan.model.tie_embeddings and i.part == "post" else 0
+        unmade = buf.module_grad if plan.model.tie_embeddings and i.part == "post" else 0
         if i.part == "pre" and buf.embedding_part is not None:
             # ZeRO-3 in the embedding's backward: the module gradient is the one the trace has made so
             # far (a tied embedding's sum exists only once both shares are in).
-            tied = buf.module_grad - min(buf.module_grad, i.grads_current)
-        temps = i.temporaries + i.weight_copies - tied + (buf.start if made == 0 else buf.inside if i.part == "post"
-                                                          else _moment(i, buf))
+            unmade = buf.module_grad - min(buf.module_grad, i.grads_current)
+        temps = i.temporaries + i.weight_copies - unmade + (buf.start if made == 0 else buf.inside
+                                                            if i.part == "post" else _moment(i, buf))
         if not zero3:  # ZeRO-1/2: a hook that reduces the full bucket first holds its flat copy
             yield i, (i.activations, grads, temps + int(reduced / per_byte))
             continue
