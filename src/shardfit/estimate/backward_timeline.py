@@ -138,8 +138,9 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
         # The first block's backward ends when its input's gradient is ready: what runs between the
         # embedding and the first block (OPT's input projection and positions, Bloom's embedding norm)
         # is the embedding's part, not the block's.
-        hidden = next((t for t in (*args, kwargs.get("hidden_states")) if isinstance(t, torch.Tensor)), None)
-        if index == 0 and hidden is not None and hidden.requires_grad:
+        hidden = next((t for t in (kwargs.get("hidden_states"), *args)
+                       if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if index == 0 and hidden is not None:
             hidden.register_hook(enter("pre"))
 
     for index, block in enumerate(blocks):
