@@ -40,12 +40,13 @@ SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000
 KINDS = (("single", 1, 0), ("ddp", 2, 1), ("zero2", 2, 3), ("zero1", 2, 0))
 # ZeRO-3 on six settings (docs/estimator-calibration.md §15: its bucket reductions mid-backward, a
 # tied head): load, forward and backward term by term; its step is the engine matrix's (whether the
-# persistent parameters stay gathered through step() is a race). FSDP1 / FSDP2 on the settings that
-# hold their reduce-scatter and root mechanisms (calibration §15): every term.
+# persistent parameters stay gathered through step() is a race). FSDP1 / FSDP2 on settings that hold
+# their reduce-scatter and root mechanisms (calibration §15): every term. Not under checkpointing: there
+# the backward peak of FSDP1 / FSDP2 moves between identical runs (more often under load).
 ZERO3 = (("gpt_neox", "fp32", "full"), ("qwen3", "fp32", "full"), ("falcon", "bf16", "selective"),
          ("deepseek_v3", "fp32", "none"), ("opt", "fp32", "full"), ("granitemoe", "fp32", "full"))
-FSDP = {"fsdp": (("opt", "bf16", "none"), ("opt", "fp32", "full"), ("granitemoe", "bf16", "none")),
-        "fsdp2": (("opt", "fp32", "none"), ("opt", "bf16", "full"), ("qwen3", "bf16", "selective"))}
+FSDP = {"fsdp": (("opt", "bf16", "none"), ("opt", "fp32", "none"), ("granitemoe", "bf16", "none")),
+        "fsdp2": (("opt", "fp32", "none"), ("opt", "bf16", "none"), ("qwen3", "bf16", "none"))}
 # Where the backward peak itself moves between identical runs: its split is not asserted, its total is.
 VARIES_BACKWARD = {
     # Inside the first block, as predicted (2 of 3 runs alone), or at the last bucket's reduction:
