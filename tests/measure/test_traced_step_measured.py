@@ -97,12 +97,8 @@ def results(tmp_path_factory):
     for kind, settings in (("zero3", ZERO3), *FSDP.items()):
         configs = [{"label": f"{arch}/{kind}/{p}/ac-{ac}", "steps": 2, "plan": _plan(models[arch], kind, p, ac)}
                    for arch, p, ac in settings]
-        (folder / f"{kind}.json").write_text(json.dumps(configs))
-        launch.torchrun(["-m", "shardfit.measure.worker", str(folder / f"{kind}.json"), str(folder / f"{kind}.jsonl")],
-                        nproc=2, timeout=900, env=env)
-        for line in (folder / f"{kind}.jsonl").read_text().splitlines():
-            result = json.loads(line)
-            out[result["label"]] = result
+        (folder / kind).mkdir()
+        out.update(launch.measure_worker(configs, folder / kind, nproc=2, timeout=900, env=env))
     # The largest tensor's bytes (fp32) per architecture, from the specs the runs cached (torch-free).
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SHARDFIT_CACHE_DIR", env["SHARDFIT_CACHE_DIR"])
