@@ -40,23 +40,23 @@ KNOWN_GAPS: dict[str, dict[str, str]] = {
     "tiny-llama/zero2/bf16/lora-ac-none": {
         "forward/temporaries": _ZERO12_LORA, "backward/activations": _ZERO12_LORA,
         "backward/temporaries": _ZERO12_LORA},
-    "tiny-llama/zero1/fp32/ac-full": {"backward/temporaries": _BACKWARD},
-    "tiny-llama/zero1/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
-    "tiny-llama/zero2/fp32/ac-full": {"backward/temporaries": _BACKWARD},
-    "tiny-llama/zero2/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero1/fp32/ac-full": {"backward/activations": _BACKWARD},
+    "tiny-llama/zero1/bf16/ac-full": {"backward/activations": _BACKWARD},
+    "tiny-llama/zero2/fp32/ac-full": {"backward/activations": _BACKWARD},
+    "tiny-llama/zero2/bf16/ac-full": {"backward/activations": _BACKWARD},
     "tiny-llama/zero3/fp32/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
     "tiny-llama/zero3/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
-    "tiny-llama/zero2+offload/fp32/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
+    "tiny-llama/zero2+offload/fp32/ac-full": {"backward/activations": _BACKWARD},
     "tiny-llama/zero2+offload/bf16/ac-none": {"optimizer/temporaries": _STEP},
-    "tiny-llama/zero2+offload/bf16/ac-full": {"backward/temporaries": _BACKWARD, "optimizer/temporaries": _STEP},
+    "tiny-llama/zero2+offload/bf16/ac-full": {"backward/activations": _BACKWARD, "optimizer/temporaries": _STEP},
     "tiny-llama/zero3+offload/fp32/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
     "tiny-llama/zero3+offload/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
     "tiny-gpt2/zero1/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
     "tiny-gpt2/zero3/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
     "tiny-gpt2/zero3+offload/bf16/ac-full": {"backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
-    "tiny-llama/ddp/fp32/ac-full": {
+    "tiny-llama/ddp/fp32/ac-full": {"backward/grads": _BACKWARD, "backward/activations": _BACKWARD},
+    "tiny-llama/ddp/bf16/ac-full": {
         "backward/grads": _BACKWARD, "backward/activations": _BACKWARD, "backward/temporaries": _BACKWARD},
-    "tiny-llama/ddp/bf16/ac-full": {"backward/grads": _BACKWARD, "backward/activations": _BACKWARD},
     "tiny-llama/fsdp:full_shard/fp32/ac-none": {
         "backward/activations": _FSDP_BACKWARD, "backward/temporaries": _FSDP_BACKWARD},
     "tiny-llama/fsdp:full_shard/fp32/ac-full": {
@@ -76,7 +76,7 @@ KNOWN_GAPS: dict[str, dict[str, str]] = {
     "tiny-gpt2/fsdp2/fp32/ac-none": {"backward/temporaries": _FSDP_BACKWARD, "optimizer/temporaries": _STEP},
     "tiny-llama/ddp/fp32/lora-ac-full": {
         "load/activations": _LORA, "load/temporaries": _LORA, "forward/activations": _LORA,
-        "forward/temporaries": _LORA, "backward/activations": _LORA, "backward/temporaries": _LORA,
+        "forward/temporaries": _LORA, "backward/activations": _LORA,
         "optimizer/activations": _LORA, "optimizer/temporaries": _LORA},
     "tiny-llama/fsdp2/fp32/lora-ac-full": {
         "load/activations": _LORA, "load/temporaries": _LORA, "forward/activations": _LORA,

@@ -20,8 +20,7 @@ _GPT2_AC_FORWARD = ("GPT-2 checkpointed block in forward: the estimator takes th
                     "attention's s^2 scores (math SDPA under dropout), but in forward they never coexist, and the peak "
                     "is in the MLP, where NewGELU builds three b*s*I temporaries next to c_fc's output")
 KNOWN_GAPS = {
-    "tiny-llama/single/fp32/ac-full": dict.fromkeys(("backward/grads", "backward/activations", "backward/temporaries"),
-                                                    _BACKWARD),
+    "tiny-llama/single/fp32/ac-full": dict.fromkeys(("backward/grads", "backward/activations"), _BACKWARD),
     "tiny-llama/single/bf16/ac-full": dict.fromkeys(("backward/grads", "backward/activations", "backward/temporaries"),
                                                     _BACKWARD),
     "tiny-gpt2/single/fp32/ac-full": {"forward/temporaries": _GPT2_AC_FORWARD, **dict.fromkeys(

@@ -121,7 +121,7 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
 
     def pre_forward(_module, _args):
         # NOTE: as the tracker: a module's forward inside backward is a recompute, which lasts until
-        # its forwards return or the autograd engine moves to another node (an early stop raises).
+        # its forwards return (or raise: an early stop) or the autograd engine moves to another node.
         if state["phase"] == "backward":
             if state["depth"] == 0:
                 state["node"] = torch._C._current_autograd_node()
@@ -149,7 +149,7 @@ def _trace_backward(cfg, facts, regime, attention, lora, checkpointing, beyond_w
     model.get_input_embeddings().register_forward_hook(embedding_output)
     for module in model.modules():
         module.register_forward_pre_hook(pre_forward)
-        module.register_forward_hook(post_forward)
+        module.register_forward_hook(post_forward, always_call=True)  # as the tracker: an early stop ends it
 
     class Recorder(TorchDispatchMode):
         def __init__(self, lifetimes, params):

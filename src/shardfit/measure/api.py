@@ -20,6 +20,7 @@ import os
 import sys
 
 from shardfit.errors import ShardfitError
+from shardfit.measure import collective_release
 from shardfit.estimate.result import PHASES
 from shardfit.measure.cuda import cuda_stats, dump_snapshot
 from shardfit.measure.oom import diagnose, format_diagnosis
@@ -89,6 +90,7 @@ class Profiler:
         self.oom: dict | None = None
         self._step = 0
         self._device_type = "cpu"
+        self._collective_release = False
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def __enter__(self):
@@ -106,10 +108,14 @@ class Profiler:
         self._cuda_stats = self.load
         self._top_depth = 0
         self._accountant.install_resize_hook()
+        # gloo's worker thread must not decide when a collective's buffers die (collective_release.py)
+        self._collective_release = self._device_type == "cpu" and collective_release.install()
         self._accountant.__enter__()
         self._accountant.begin_phase("load", self.load)
         self._handles.append(register_module_forward_pre_hook(self._global_pre_forward))
-        self._handles.append(register_module_forward_hook(self._global_post_forward))
+        # always_call: a checkpointed block's recompute stops early by raising (non-reentrant
+        # checkpointing): the hook still closes the recompute there, not at the next autograd node.
+        self._handles.append(register_module_forward_hook(self._global_post_forward, always_call=True))
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_pre_step))
         for model in self._models:
             self._attach_model(model)
@@ -135,6 +141,8 @@ class Profiler:
                 torch.cuda.memory._record_memory_history(enabled=None)
             self._accountant.__exit__(None, None, None)
             self._accountant.remove_resize_hook()
+            if self._collective_release:
+                collective_release.remove()
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardfit.measure import collective_release
 from shardfit.measure.categories import (ALL_CATEGORIES, CATEGORIES, HOST, engine_rules, fsdp_units, parameter_rules,
                                          storages_of)
 
@@ -181,9 +182,10 @@ class Accountant(TorchDispatchMode):
                 self._set_category(record, category)
 
     def begin_recompute(self):
-        """Activation checkpointing re-runs a block's forward inside backward. Its end is not always
-        seen (non-reentrant checkpointing stops early by raising), so the window also closes when
-        the autograd engine moves on to another node."""
+        """Activation checkpointing re-runs a block's forward inside backward. It ends when those
+        forwards return or raise (non-reentrant checkpointing stops early by raising; the Profiler's
+        post-forward hook is always called), and at the latest when the autograd engine moves on to
+        another node: the node's own gradient, computed after the recompute, is not an activation."""
         if self._recompute_depth == 0:
             self._recompute_node = torch._C._current_autograd_node()
         self._recompute_depth += 1
@@ -322,6 +324,8 @@ class Accountant(TorchDispatchMode):
             tree_map_only(torch.Tensor, lambda t: self.track_tensor(t, "temporaries"), out)
         elif namespace in _COMM_NAMESPACES:
             tree_map_only(torch.Tensor, lambda t: self.track_tensor(t, "temporaries", override=True), (out, args))
+            if self.device_type == "cpu" and func._schema.name == "_c10d_functional::wait_tensor":
+                collective_release.after_wait_tensor()
         elif self._engine_depth > 0:
             tree_map_only(torch.Tensor, lambda t: self.track_tensor(t, "temporaries"), out)
         elif self._phase == "backward" and self._in_recompute():

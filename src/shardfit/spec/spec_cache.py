@@ -21,10 +21,11 @@ from importlib.util import find_spec
 from pathlib import Path
 
 # NOTE: bump when derive.py or the traced coefficients change meaning: old entries are then ignored.
-DERIVATION_VERSION = 16  # 5: forward_inside (traced peak instants inside blocks); 6: block_ops; 7: param_order;
+DERIVATION_VERSION = 17  # 5: forward_inside (traced peak instants inside blocks); 6: block_ops; 7: param_order;
 # 8: tp_plan, layer_kinds; 9: sp_norm_kinds (what the norms between the TP regions save);
 # 10: sp_extra_gathers; 11: kind_expert_params; 12-14: the backward trace's gradient-hook moments;
-# 15: the first block's backward ends at its input's gradient; 16: SAC keeps addmm as a matmul, traces run torch's linear
+# 15: the first block's backward ends at its input's gradient; 16: SAC keeps addmm as a matmul, traces run torch's linear;
+# 17: a recompute ends when its forwards raise (an early stop), as the tracker's window
 
 
 def cache_dir() -> Path:
