@@ -63,6 +63,15 @@ class Buffers:
         self.reduce_copies = 1  # ZeRO-3: full copies of the bucket a reduction holds (gloo: 2)
 
 
+def last_param_elements(model, part: str) -> int:
+    """Elements of the last parameter, in registration order, of a block unit ("block": the largest
+    such among the block kinds) or of the root ("root"); 0 where the spec has no parameter order."""
+    lasts = [group[-1] for label, group, _ in model.param_order if label == part and group]
+    if not lasts:
+        return 0
+    return max(lasts) if part == "block" else lasts[-1]
+
+
 def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_bytes, st, impl, optimizer,
                  checkpoint, rec, lora_unit=None, lora=None, backend_copy: bool = False) -> Buffers:
     """FSDP1 / FSDP2 with the blocks wrapped and the root holding embeddings, final norm and head.
@@ -120,14 +129,25 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
     end_elements = (0 if lora_unit is not None else model.vocab_size * model.hidden_size) if units is not None \
         else root_grads
     end_held = root_b + units[0] if units is not None else 0
+    # FSDP2's foreach_reduce leaves its shard-dim loop variable bound to the unit's last unsharded
+    # gradient (registration order, the param dtype) until it returns: that one lives through the
+    # reduce-scatter beside its flat copy (Granite-MoE's experts' output weight, 65,536 B in bf16).
+    last_grad = last_end_grad = 0
+    if kind == "fsdp2" and lora_unit is None and shard > 1:
+        last_grad = tmp.unsharded_grad_bytes(last_param_elements(model, "block"), gather_bytes)
+        last_end_grad = tmp.unsharded_grad_bytes(
+            model.vocab_size * model.hidden_size if units is not None else last_param_elements(model, "root"),
+            gather_bytes)
     b.fsdp = FsdpParts(root=root_b, unit=one_unit, units=units_b, kept=kept,
                        embedding=units[0] if units is not None else 0, separate=units is not None,
                        held_unit=int(unit * reduce_b) if held else 0,
                        held_head=int(model.vocab_size * model.hidden_size * reduce_b) if held and units else 0,
-                       unit_reduce=tmp.reduce_scatter_input_bytes(reduced, reduce_b, input_copy, backend_copy),
+                       unit_reduce=tmp.reduce_scatter_input_bytes(reduced, reduce_b, input_copy, backend_copy)
+                       + last_grad,
                        unit_shard=tmp.reduce_scatter_output_bytes(reduced, shard, reduce_b),
                        end_held=end_held,
-                       end_reduce=tmp.reduce_scatter_input_bytes(end_elements, reduce_b, input_copy, backend_copy),
+                       end_reduce=tmp.reduce_scatter_input_bytes(end_elements, reduce_b, input_copy, backend_copy)
+                       + last_end_grad,
                        end_shard=tmp.reduce_scatter_output_bytes(end_elements, shard, reduce_b))
     if kind == "fsdp" and not s.offload_params:
         b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
