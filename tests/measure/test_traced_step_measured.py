@@ -12,7 +12,7 @@ optimizer step included, and the peak, as strictly.
 
 ZeRO-3 on six settings (its bucket reductions: a flat copy of the bucket, and gloo's copy of it,
 beside the gradient waiting, estimate/zero_partitions.py; a tied head's partial gradient). FSDP1 and
-FSDP2 on five and six settings (a unit's reduce-scatter after its reshard, gloo's input copy, the root's
+FSDP2 on five and seven settings (a unit's reduce-scatter after its reshard, gloo's input copy, the root's
 gradients and all-gather output; full and selective checkpointing). Until 2026-12-06 the optimizer
 step and FSDP's checkpointed backward moved between identical runs: gloo's worker thread, not the
 program, decided when some buffers died; the tracker now lets it finish first
@@ -40,13 +40,15 @@ SMALL_BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000
 KINDS = (("single", 1, 0), ("ddp", 2, 1), ("zero2", 2, 3), ("zero1", 2, 0))
 # ZeRO-3 on six settings (docs/estimator-calibration.md §15: its bucket reductions mid-backward, a
 # tied head). FSDP1 / FSDP2 on settings that hold their reduce-scatter and root mechanisms (§15), a
-# recompute that stops early and FSDP2's last unsharded gradient through its reduce-scatter (§16).
+# recompute that stops early, FSDP2's last unsharded gradient through its reduce-scatter and blocks of
+# unequal size (DeepSeek's dense first layer below an MoE one) (§16).
 ZERO3 = (("gpt_neox", "fp32", "full"), ("qwen3", "fp32", "full"), ("falcon", "bf16", "selective"),
          ("deepseek_v3", "fp32", "none"), ("opt", "fp32", "full"), ("granitemoe", "fp32", "full"))
 FSDP = {"fsdp": (("opt", "bf16", "none"), ("opt", "fp32", "none"), ("granitemoe", "bf16", "none"),
                  ("falcon", "fp32", "full"), ("bloom", "fp32", "selective")),
         "fsdp2": (("opt", "fp32", "none"), ("opt", "bf16", "none"), ("qwen3", "bf16", "none"),
-                  ("falcon", "fp32", "full"), ("gpt_neox", "bf16", "selective"), ("granitemoe", "bf16", "none"))}
+                  ("falcon", "fp32", "full"), ("gpt_neox", "bf16", "selective"), ("granitemoe", "bf16", "none"),
+                  ("deepseek_v3", "fp32", "none"))}
 
 
 def _plan(model_dir: str, kind: str, precision: str, ac: str) -> dict:

@@ -38,6 +38,7 @@ class FsdpParts(NamedTuple):
     end_held: int
     end_reduce: int
     end_shard: int
+    layer_units: tuple = ()  # one gathered unit per layer where the spec knows them (blocks of unequal size)
 
 
 class Buffers:
@@ -138,6 +139,11 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
         last_end_grad = tmp.unsharded_grad_bytes(
             model.vocab_size * model.hidden_size if units is not None else last_param_elements(model, "root"),
             gather_bytes)
+    # Blocks of unequal size (DeepSeek's dense first layers under MoE ones): each layer's own unit.
+    layer_units = tuple(int(sum(group) * gather_bytes) for label, group, count in model.param_order
+                        if label == "block" for _ in range(count))
+    if not units_b or kept or lora_unit is not None or len(layer_units) != model.num_layers:
+        layer_units = ()
     b.fsdp = FsdpParts(root=root_b, unit=one_unit, units=units_b, kept=kept,
                        embedding=units[0] if units is not None else 0, separate=units is not None,
                        held_unit=int(unit * reduce_b) if held else 0,
@@ -148,7 +154,8 @@ def fsdp_buffers(kind, s, model, precision, shard, unit, root, largest, gather_b
                        end_held=end_held,
                        end_reduce=tmp.reduce_scatter_input_bytes(end_elements, reduce_b, input_copy, backend_copy)
                        + last_end_grad,
-                       end_shard=tmp.reduce_scatter_output_bytes(end_elements, shard, reduce_b))
+                       end_shard=tmp.reduce_scatter_output_bytes(end_elements, shard, reduce_b),
+                       layer_units=layer_units)
     if kind == "fsdp" and not s.offload_params:
         b.grads_rest = st.grads_full  # FSDP1 frees the flat sharded grad only at the next forward
     # The optimizer's largest tensor: FSDP2 shards every param; FSDP1 (use_orig_params) hands it views

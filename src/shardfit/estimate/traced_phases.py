@@ -82,6 +82,21 @@ def _moment(instant, buf) -> int:
     return buf.last if buf.embedding_part is None else buf.embedding_part
 
 
+def _below(instant, parts) -> int:
+    """The unit prefetched below a block: the next layer's own where layers differ, else one unit."""
+    layer = instant.layer
+    if parts.layer_units and 0 < layer < len(parts.layer_units):
+        return parts.layer_units[layer - 1]
+    return parts.unit
+
+
+def _own_and_below(instant, parts) -> int:
+    """Inside a block: its own unit and, with a block below, the next one prefetched."""
+    layer = instant.layer
+    own = parts.layer_units[layer] if parts.layer_units and 0 <= layer < len(parts.layer_units) else parts.unit
+    return own + (_below(instant, parts) if instant.below else 0)
+
+
 def _fsdp_moment(instant, parts) -> int:
     """What FSDP holds beside the traced tensors: the root's weights; inside a block, its unit and the
     next one prefetched (one alone in the first block, where FSDP2 prefetches the embedding unit
@@ -91,7 +106,7 @@ def _fsdp_moment(instant, parts) -> int:
         return parts.root + (parts.kept or parts.unit)
     if instant.part == "pre":
         return parts.root + parts.embedding + parts.held_unit
-    gathered = parts.kept or (parts.units if instant.below else parts.unit)
+    gathered = parts.kept or _own_and_below(instant, parts)
     prefetched = parts.embedding if parts.separate and not instant.below else 0
     return parts.root + gathered + prefetched + (parts.held_unit if instant.above else parts.held_head)
 
@@ -137,7 +152,7 @@ def _fsdp(plan, step, buf, states, grads_persistent: int):
         parts = buf.fsdp
         fsdp1 = plan.strategy.kind == "fsdp"
         if i.part == "block":  # beside it the root (its gradients waiting) and the next unit, prefetched
-            gathered = parts.kept or (parts.unit if i.below else parts.embedding if parts.separate else 0)
+            gathered = parts.kept or (_below(i, parts) if i.below else parts.embedding if parts.separate else 0)
             waiting = unsharded if fsdp1 else root_unsharded
             yield i, (i.activations, grads + parts.unit_shard,
                       i.temporaries + i.weight_copies + waiting + parts.root + gathered + parts.unit_reduce)
