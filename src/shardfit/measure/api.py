@@ -20,8 +20,8 @@ import os
 import sys
 
 from shardfit.errors import ShardfitError
-from shardfit.measure import collective_release
 from shardfit.estimate.result import PHASES
+from shardfit.measure import collective_release
 from shardfit.measure.cuda import cuda_stats, dump_snapshot
 from shardfit.measure.oom import diagnose, format_diagnosis
 from shardfit.measure.report import RankReport
